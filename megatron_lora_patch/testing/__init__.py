@@ -1,0 +1,1 @@
+"""Testing helpers: CPU/gloo world launcher (launcher), topology value type and Megatron setup (topology), tiny models, training driver."""
