@@ -1,0 +1,18 @@
+"""megatron-lora-patch: topology-correct LoRA for Megatron-Core, applied by import-time patches.
+
+This package is imported by the start-up `.pth` hook, so importing it must stay cheap:
+the programmatic API (`apply`, `revert`, `status`) is loaded on first use.
+"""
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["apply", "revert", "status", "SkipPatch"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from megatron_lora_patch import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'megatron_lora_patch' has no attribute {name!r}")

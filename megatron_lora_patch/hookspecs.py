@@ -1,0 +1,30 @@
+"""The plugin interface: what a `megatron_lora_patch.plugins` entry point may implement.
+
+Plugins mark implementations with `megatron_lora_patch.hookspecs.impl`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+PROJECT = "megatron_lora_patch"
+ENTRY_POINT_GROUP = "megatron_lora_patch.plugins"
+
+_spec = pluggy.HookspecMarker(PROJECT)
+impl = pluggy.HookimplMarker(PROJECT)
+
+if TYPE_CHECKING:
+    from megatron_lora_patch.patching import PatchSpec
+    from megatron_lora_patch.runtime import Settings
+
+
+@_spec
+def megatron_lora_patch_patches() -> "list[PatchSpec]":
+    """Return the patches this plugin contributes (cheap: no torch / Megatron imports)."""
+
+
+@_spec
+def megatron_lora_patch_configure(settings: "Settings") -> None:
+    """React to the resolved settings (enabled patches, strict) before any patch is applied."""

@@ -1,0 +1,1 @@
+"""LoRA math for Megatron-Core linear layers: plain modules, testable without any patching."""

@@ -1,0 +1,113 @@
+"""The patch model: a declarative `PatchSpec` and a transactional `Patcher`.
+
+A patch module (one per target, under `megatron_lora_patch.patches`) exposes
+`SPEC = PatchSpec(...)`. Its top level imports only the standard library and this
+runtime; Megatron/torch imports happen inside the hook functions, which run when
+their target module is imported. Every change a hook makes goes through the
+`Patcher` it is given, so a failure half way and `revert()` both restore the exact
+originals (`__wrapped__`), and applying twice never wraps twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Callable, Mapping
+
+import wrapt
+
+_MARKER = "_self_megatron_lora_patch"
+
+#: A hook patches one imported target module through the given patcher.
+PatchHook = Callable[["Patcher", types.ModuleType], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchSpec:
+    """What a patch changes, where, for which Megatron-Core versions, and its default.
+
+    `hooks` maps each target module name to the function that patches it; the
+    runtime calls a hook once that module is imported. `versions` is a PEP 440
+    specifier of the Megatron-Core versions the patch is tested against (the range
+    CI runs). `flag` is derived from the name: `MEGATRON_LORA_PATCH_<NAME>`.
+    """
+
+    name: str
+    summary: str
+    hooks: Mapping[str, PatchHook]
+    versions: str
+    default: bool
+    targets: tuple[str, ...] = ()  # "module:Attr" strings for display; defaults to hook modules
+
+    @property
+    def flag(self) -> str:
+        return "MEGATRON_LORA_PATCH_" + self.name.upper()
+
+    @property
+    def target_text(self) -> str:
+        return ", ".join(self.targets or tuple(self.hooks))
+
+
+class Patcher:
+    """Records every change one patch makes so it can be undone exactly, in reverse."""
+
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+
+    def wrap(self, owner: Any, attribute: str, wrapper: Callable[..., Any]) -> Any:
+        """Wrap `owner.attribute` with a wrapt `wrapper(wrapped, instance, args, kwargs)`.
+
+        Refuses to wrap twice (invariant: never double wrapped).
+        """
+        if getattr(inspect_static(owner, attribute), _MARKER, False):
+            raise RuntimeError(f"{_describe(owner)}.{attribute} is already wrapped by megatron-lora-patch")
+        had_own = _has_own(owner, attribute)
+        proxy = wrapt.wrap_function_wrapper(owner, attribute, wrapper)
+        setattr(proxy, _MARKER, True)  # `_self_` attributes live on the proxy, not the wrapped function
+        self._undo.append(lambda: _restore(owner, attribute, proxy.__wrapped__, had_own))
+        return proxy
+
+    def replace(self, owner: Any, attribute: str, value: Any) -> None:
+        """Set `owner.attribute = value` (creating it if absent); revert restores or deletes it."""
+        had_own = _has_own(owner, attribute)
+        original = inspect_static(owner, attribute) if had_own else None
+        setattr(owner, attribute, value)
+        self._undo.append(lambda: _restore(owner, attribute, original, had_own))
+
+    def on_revert(self, undo: Callable[[], None]) -> None:
+        """Register an extra undo step for state a hook changed outside attributes."""
+        self._undo.append(undo)
+
+    @property
+    def changes(self) -> int:
+        return len(self._undo)
+
+    def revert(self) -> None:
+        """Undo every recorded change, newest first; the patcher can then be reused."""
+        while self._undo:
+            self._undo.pop()()
+
+
+def inspect_static(owner: Any, attribute: str) -> Any:
+    """The raw attribute (descriptor included) as stored on `owner` or its MRO."""
+    if isinstance(owner, type):
+        for klass in owner.__mro__:
+            if attribute in vars(klass):
+                return vars(klass)[attribute]
+        raise AttributeError(f"{owner.__qualname__} has no attribute {attribute!r}")
+    return getattr(owner, attribute)
+
+
+def _has_own(owner: Any, attribute: str) -> bool:
+    return attribute in vars(owner) if hasattr(owner, "__dict__") else hasattr(owner, attribute)
+
+
+def _restore(owner: Any, attribute: str, original: Any, had_own: bool) -> None:
+    if had_own:
+        setattr(owner, attribute, original)
+    elif _has_own(owner, attribute):
+        delattr(owner, attribute)
+
+
+def _describe(owner: Any) -> str:
+    return getattr(owner, "__qualname__", None) or getattr(owner, "__name__", repr(owner))

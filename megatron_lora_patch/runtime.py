@@ -1,0 +1,316 @@
+"""The registry: loads the named plugins, decides which patches are on, and applies each
+patch when its target modules are imported (wrapt post-import hooks, so both import
+orders work). Knows nothing about LoRA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import logging
+import sys
+import threading
+import types
+from typing import Iterable, Mapping, Optional
+
+import pluggy
+import wrapt
+
+from megatron_lora_patch import flags, hookspecs, versions
+from megatron_lora_patch.patching import Patcher, PatchSpec
+
+logger = logging.getLogger("megatron_lora_patch")
+
+
+class SkipPatch(Exception):
+    """Raised by a hook when its patch does not apply here (already upstream, no CPU
+    needed, ...). Whatever the patch changed so far is reverted; status shows the reason."""
+
+
+class PatchError(RuntimeError):
+    """A patch failed or was refused in strict mode (MEGATRON_LORA_STRICT=1)."""
+
+
+class PluginError(LookupError):
+    """A requested plugin is not installed or does not load."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What plugins see in `megatron_lora_patch_configure`."""
+
+    plugins: tuple[str, ...]
+    strict: bool
+    enabled: Mapping[str, bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchStatus:
+    """One row of `megatron-lora-patch status`."""
+
+    plugin: str
+    patch: str
+    target: str
+    tested: str
+    installed: str
+    enabled: bool
+    source: str  # where `enabled` came from: arg, env or default
+    state: str  # applied, skipped, failed, disabled, reverted, not imported yet
+    detail: str = ""
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class _Record:
+    spec: PatchSpec
+    plugin: str
+    enabled: bool = False
+    source: str = "default"
+    state: str = "not imported yet"
+    detail: str = ""
+    patcher: Patcher = dataclasses.field(default_factory=Patcher)
+    applied_modules: set = dataclasses.field(default_factory=set)
+    unavailable: dict = dataclasses.field(default_factory=dict)  # module -> import error text
+
+
+class Runtime:
+    """Process-wide patch state. Use the module-level `apply`, `revert`, `status`."""
+
+    def __init__(self) -> None:
+        self._manager = pluggy.PluginManager(hookspecs.PROJECT)
+        self._manager.add_hookspecs(hookspecs)
+        self._records: dict[str, _Record] = {}
+        self._watched: set[str] = set()
+        self._strict = False
+        self._lock = threading.RLock()
+
+    # -- public ---------------------------------------------------------------------
+    def apply(
+        self,
+        plugins: Optional[Iterable[str]] = None,
+        enable: Optional[Mapping[str, bool]] = None,
+        strict: Optional[bool] = None,
+    ) -> list[PatchStatus]:
+        """Load plugins (argument, else MEGATRON_PLUGINS), resolve flags, apply what is on.
+
+        Idempotent: an applied patch is never applied twice; a patch turned off here is reverted.
+        """
+        with self._lock:
+            names = list(plugins) if plugins is not None else flags.requested_plugins()
+            if not names:
+                raise flags.FlagError(
+                    f"no plugin requested: set {flags.PLUGINS_VARIABLE}=lora_correct or pass plugins=['lora_correct']"
+                )
+            self._strict = flags.strict(strict)
+            for name in names:
+                self._load_plugin(name)
+            self._collect_patches()
+            decisions = flags.resolve_enabled(
+                {name: record.spec.default for name, record in self._records.items()}, enable
+            )
+            for name, (enabled, source) in decisions.items():
+                record = self._records[name]
+                if record.enabled and not enabled:
+                    self._revert(record, "disabled")
+                record.enabled, record.source = enabled, source
+                if not enabled:
+                    record.state = "disabled"
+                elif record.state in ("disabled", "reverted"):
+                    record.state = "not imported yet"
+            self._manager.hook.megatron_lora_patch_configure(
+                settings=Settings(
+                    plugins=tuple(self._plugin_names()),
+                    strict=self._strict,
+                    enabled={name: decision[0] for name, decision in decisions.items()},
+                )
+            )
+            for record in self._records.values():
+                if record.enabled:
+                    for module_name in record.spec.hooks:
+                        self._watch(module_name)
+            return self.status()
+
+    def revert(self, names: Optional[Iterable[str]] = None) -> list[PatchStatus]:
+        """Restore the originals of the named patches (all when None)."""
+        with self._lock:
+            selected = list(self._records) if names is None else list(names)
+            for name in selected:
+                if name not in self._records:
+                    raise flags.FlagError(
+                        f"cannot revert unknown patch {name!r}; known patches: {', '.join(sorted(self._records))}"
+                    )
+                record = self._records[name]
+                self._revert(record, "reverted")
+                record.enabled = False
+            return self.status()
+
+    def import_targets(self) -> None:
+        """Import every enabled patch's target modules (what `status` does to show real states)."""
+        for record in list(self._records.values()):
+            if not record.enabled:
+                continue
+            for module_name in record.spec.hooks:
+                try:
+                    importlib.import_module(module_name)
+                except ImportError as error:
+                    record.unavailable[module_name] = str(error)
+
+    def status(self) -> list[PatchStatus]:
+        installed = versions.installed_megatron_core()
+        return [
+            PatchStatus(
+                plugin=record.plugin,
+                patch=name,
+                target=record.spec.target_text,
+                tested=record.spec.versions,
+                installed=str(installed) if installed else "not installed",
+                enabled=record.enabled,
+                source=record.source,
+                state=record.state,
+                detail=self._detail(record),
+            )
+            for name, record in self._records.items()
+        ]
+
+    # -- plugins ----------------------------------------------------------------------
+    def _plugin_names(self) -> list[str]:
+        return [name for name, _ in self._manager.list_name_plugin()]
+
+    def _load_plugin(self, name: str) -> None:
+        if self._manager.has_plugin(name):
+            return
+        available = installed_plugins()
+        if name not in available:
+            raise PluginError(
+                f"{flags.PLUGINS_VARIABLE} names unknown plugin {name!r}; installed plugins: "
+                + (", ".join(sorted(available)) or "none")
+            )
+        try:
+            plugin = available[name].load()
+        except Exception as error:
+            raise PluginError(f"plugin {name!r} failed to load: {type(error).__name__}: {error}") from error
+        self._manager.register(plugin, name=name)
+        self._manager.check_pending()
+
+    def _collect_patches(self) -> None:
+        collected = {record.plugin for record in self._records.values()}
+        for hookimpl in self._manager.hook.megatron_lora_patch_patches.get_hookimpls():
+            if hookimpl.plugin_name in collected:
+                continue
+            for spec in hookimpl.function():
+                if spec.name in self._records:
+                    raise PluginError(
+                        f"patch {spec.name!r} is declared by both {self._records[spec.name].plugin!r} "
+                        f"and {hookimpl.plugin_name!r}"
+                    )
+                versions.parse_range(spec.versions, spec.name)  # a bad declaration fails now
+                self._records[spec.name] = _Record(spec=spec, plugin=hookimpl.plugin_name)
+
+    # -- applying ---------------------------------------------------------------------
+    def _watch(self, module_name: str) -> None:
+        if module_name not in self._watched:
+            self._watched.add(module_name)
+            # Runs now if the module is already imported, else right after its import.
+            wrapt.register_post_import_hook(self._on_import, module_name)
+        elif module_name in sys.modules:
+            self._on_import(sys.modules[module_name])
+
+    def _on_import(self, module: types.ModuleType) -> None:
+        with self._lock:
+            for record in self._records.values():
+                if (
+                    record.enabled
+                    and module.__name__ in record.spec.hooks
+                    and module.__name__ not in record.applied_modules
+                    and record.state in ("not imported yet", "applied")
+                ):
+                    self._apply_hook(record, module)
+
+    def _apply_hook(self, record: _Record, module: types.ModuleType) -> None:
+        name = record.spec.name
+        try:
+            if not record.applied_modules:
+                reason = versions.out_of_range_reason(name, record.spec.versions, versions.installed_megatron_core())
+                if reason:
+                    record.state, record.detail = "skipped", reason
+                    if self._strict:
+                        raise PatchError(f"{reason} (strict mode)")
+                    logger.warning("megatron-lora-patch: skipped %s", reason)
+                    return
+            record.spec.hooks[module.__name__](record.patcher, module)
+        except SkipPatch as skip:
+            self._revert(record, "skipped")
+            record.detail = str(skip)
+            logger.info("megatron-lora-patch: skipped %s: %s", name, skip)
+        except PatchError:
+            raise
+        except Exception as error:
+            self._revert(record, "failed")
+            record.detail = f"{type(error).__name__}: {error}"
+            message = f"patch {name} failed on {module.__name__}, nothing of it is applied: {record.detail}"
+            if self._strict:
+                raise PatchError(message + " (strict mode)") from error
+            logger.error("megatron-lora-patch: %s", message)
+        else:
+            record.applied_modules.add(module.__name__)
+            record.state, record.detail = "applied", ""
+            logger.info("megatron-lora-patch: applied %s to %s", name, module.__name__)
+
+    def _revert(self, record: _Record, state: str) -> None:
+        record.patcher.revert()
+        record.applied_modules.clear()
+        record.state, record.detail = state, ""
+
+    @staticmethod
+    def _detail(record: _Record) -> str:
+        parts = [record.detail] if record.detail else []
+        pending = [m for m in record.spec.hooks if m not in record.applied_modules and m not in record.unavailable]
+        if record.state == "applied" and pending:
+            parts.append("not imported yet: " + ", ".join(pending))
+        parts += [f"unavailable: {module} ({error})" for module, error in record.unavailable.items()]
+        return "; ".join(parts)
+
+
+def installed_plugins() -> dict[str, importlib.metadata.EntryPoint]:
+    """Entry points of the plugin group by name. Listing them imports nothing."""
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP)}
+
+
+_runtime: Optional[Runtime] = None
+_runtime_lock = threading.Lock()
+
+
+def get_runtime() -> Runtime:
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None:
+            _runtime = Runtime()
+        return _runtime
+
+
+def apply(
+    plugins: Optional[Iterable[str]] = None,
+    enable: Optional[Mapping[str, bool]] = None,
+    strict: Optional[bool] = None,
+) -> list[PatchStatus]:
+    """Apply the patches of `plugins` (default: MEGATRON_PLUGINS). `enable` forces patches
+    on/off by name and beats the environment, which beats each patch's default."""
+    return get_runtime().apply(plugins, enable, strict)
+
+
+def revert(names: Optional[Iterable[str]] = None) -> list[PatchStatus]:
+    """Restore the exact originals of the named patches (all when None)."""
+    return get_runtime().revert(names)
+
+
+def status() -> list[PatchStatus]:
+    """One row per known patch: enabled and why, applied / skipped / failed and why."""
+    return get_runtime().status()
+
+
+def activate_from_env() -> None:
+    """Called by the start-up bootstrap on the first `import megatron`."""
+    get_runtime().apply()
