@@ -4,7 +4,8 @@
 
 * Each rank is a fresh ``spawn``-ed interpreter running ``fn(rank, world_size, *args, **kwargs)``
   with ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
-  ``LOCAL_WORLD_SIZE`` set, and torch limited to one intra-op / inter-op thread.
+  ``LOCAL_WORLD_SIZE`` set, and torch limited to one intra-op thread (``OMP_NUM_THREADS=1``
+  and friends are set before anything is imported). A rank imports only what ``fn`` needs.
 * The rendezvous store is hosted by the parent (like ``torchrun``'s agent store, with
   ``TORCHELASTIC_USE_AGENT_STORE=True``), so there is no race on a "free" port between
   choosing it and binding it. Ranks join with :func:`gloo_process_group` or plain
@@ -38,6 +39,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -88,7 +90,6 @@ class _Rank:
     conn: Any  # parent end of a one-way pipe; the rank sends exactly one message
     stack_file: str
     done: bool = False
-    failed_at: float | None = None
 
 
 def run_world(
@@ -219,7 +220,7 @@ def _died(entry: _Rank) -> tuple[str, str]:
     entry.process.join(timeout=5)
     code = entry.process.exitcode
     how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-    return "error", f"rank {entry.rank} {how} without returning a result or raising a Python exception\n"
+    return "error", f"the process {how} without returning a result or raising a Python exception (see its stderr)\n"
 
 
 def _failure_message(name: str, failures: dict[int, str], unfinished: list[int]) -> str:
@@ -229,7 +230,8 @@ def _failure_message(name: str, failures: dict[int, str], unfinished: list[int])
     failed = sorted(failures)
     lines = [f"world {name!r}: {_ranks_text(failed)} failed"]
     if unfinished:
-        lines[0] += f"; {_ranks_text(unfinished)} had not finished and were killed"
+        killed = "was killed" if len(unfinished) == 1 else "were killed"
+        lines[0] += f"; {_ranks_text(unfinished)} had not finished and {killed}"
     for text, group in groups.items():
         lines.append(f"--- {_ranks_text(group)} traceback ---")
         lines.append(text.rstrip())
@@ -295,18 +297,24 @@ def _kill_all(ranks: list[_Rank]) -> None:
         entry.process.close()
 
 
-def _loads(body: bytes) -> Any:
+def _loads(encoded: tuple[str, bytes]) -> Any:
+    codec, body = encoded
+    if codec == "pickle":
+        return pickle.loads(body)
     import torch
 
     return torch.load(io.BytesIO(body), map_location="cpu", weights_only=False)
 
 
-def _dumps(value: Any) -> bytes:
+def _dumps(value: Any) -> tuple[str, bytes]:
+    """Encode a rank's result: ``torch.save`` if the rank uses torch, plain pickle otherwise (no torch import)."""
+    if "torch" not in sys.modules:
+        return "pickle", pickle.dumps(value)
     import torch
 
     buffer = io.BytesIO()
     torch.save(_to_cpu(value), buffer)
-    return buffer.getvalue()
+    return "torch", buffer.getvalue()
 
 
 def _to_cpu(value: Any) -> Any:
@@ -319,10 +327,10 @@ def _to_cpu(value: Any) -> Any:
         converted = copy.copy(value)  # keeps dict subclasses (OrderedDict, defaultdict) intact
         converted.update((key, _to_cpu(item)) for key, item in value.items())
         return converted
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_to_cpu(item) for item in value)
-    if isinstance(value, tuple):  # namedtuple
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
         return type(value)(*(_to_cpu(item) for item in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(item) for item in value)
     return value
 
 
@@ -339,13 +347,10 @@ def _rank_main(payload: bytes, env: dict[str, str], conn: Any, parent_pid: int, 
 
     faulthandler.register(signal.SIGUSR1, file=stack_handle, all_threads=True)
     try:
-        import torch
-
-        torch.set_num_threads(1)
-        with contextlib.suppress(RuntimeError):  # only settable before inter-op work started
-            torch.set_num_interop_threads(1)
         fn, args, kwargs = pickle.loads(payload)
         rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        if "torch" in sys.modules:  # OMP_NUM_THREADS covers a later import; this covers an earlier one
+            sys.modules["torch"].set_num_threads(1)
         result = fn(rank, world_size, *args, **kwargs)
         message = ("ok", _dumps(result))
     except BaseException:

@@ -179,7 +179,9 @@ class Topology:
         Seeds like Megatron-LM's ``_set_random_seed``: ``seed + 100 * pp_rank`` into
         ``random``, ``numpy``, ``torch`` and Megatron's model-parallel RNG tracker
         (``seed=None`` skips seeding). ``cpu_compat=None`` turns the ``cpu_compat`` patch on
-        when CUDA is unavailable (the tracker needs it on CPU); True / False force it.
+        when CUDA is unavailable (the tracker needs it on CPU), True always, False never; every
+        other ``lora_correct`` patch stays as it is in this process (off if never applied), so
+        a plain testbed stays plain Megatron. Nothing here is reverted by :meth:`teardown`.
         """
         import torch
         import torch.distributed as dist
@@ -191,11 +193,10 @@ class Topology:
                 f"topology {str(self)!r} needs {self.world_size} ranks but the world has {dist.get_world_size()}; "
                 f"launch with world_size={self.world_size}"
             )
-        if cpu_compat if cpu_compat is not None else not torch.cuda.is_available():
-            import megatron_lora_patch
+        from megatron.core import parallel_state  # first: an env-driven activation runs on this import
 
-            megatron_lora_patch.apply(plugins=["lora_correct"], enable={"cpu_compat": True})
-        from megatron.core import parallel_state
+        if cpu_compat if cpu_compat is not None else not torch.cuda.is_available():
+            _enable_cpu_compat()
 
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=self.tp,
@@ -234,6 +235,19 @@ class Topology:
                 yield self
             finally:
                 self.teardown()
+
+
+def _enable_cpu_compat() -> None:
+    """Turn on ``cpu_compat`` without changing whether any other patch is on."""
+    import megatron_lora_patch
+    from megatron_lora_patch.plugin import PATCH_MODULES
+
+    current = {row.patch: row.enabled for row in megatron_lora_patch.status()}
+    if current.get("cpu_compat"):
+        return
+    # `apply` resolves every patch of the plugin; unlisted ones would take their default (on).
+    keep = {name: current.get(name, False) for name in PATCH_MODULES}
+    megatron_lora_patch.apply(plugins=["lora_correct"], enable={**keep, "cpu_compat": True})
 
 
 def _seed_everything(seed: int) -> None:

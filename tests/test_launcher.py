@@ -1,0 +1,225 @@
+"""run_world: results in rank order, failures and hangs reported per rank, and no process left behind.
+
+Rank functions live at module level (ranks unpickle them) and import torch only when they
+need it, so most worlds here start in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+from megatron_lora_patch.testing.launcher import WorldError, WorldTimeout, gloo_process_group, run_world
+
+# Generous bound on spawn + import; the hang test's world must be gone within timeout + this.
+STARTUP_SLACK_S = 15.0
+
+
+def _is_gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (absent, or a zombie waiting for a reaper that is not us)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def _read_pids(directory: Path) -> list[int]:
+    return [int(path.read_text()) for path in sorted(directory.glob("*.pid"))]
+
+
+def _record_pid(directory: str, label: str, pid: int | None = None) -> None:
+    Path(directory, f"{label}.pid").write_text(str(pid or os.getpid()))
+
+
+def _assert_all_gone(pids: list[int]) -> None:
+    assert pids, "the ranks did not record their pids"
+    alive = [pid for pid in pids if not _is_gone(pid)]
+    assert not alive, f"processes left behind: {alive}"
+    assert multiprocessing.active_children() == []
+
+
+# ----------------------------------------------------------------------------- rank functions
+
+
+def _all_reduce_rank(rank: int, world_size: int, offset: float) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    with gloo_process_group(timeout_s=60):
+        total = torch.tensor([rank + offset, 10.0 * rank])
+        dist.all_reduce(total)
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4) + rank
+    return OrderedDict(
+        rank=rank,
+        world_size=world_size,
+        env={key: os.environ[key] for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")},
+        threads=torch.get_num_threads(),
+        total=total,
+        transposed_view=base.t()[1:],  # non-contiguous view of a larger storage
+        bf16=[torch.full((2,), rank + 0.5, dtype=torch.bfloat16)],
+        grad=torch.ones(2, requires_grad=True) * (rank + 1),  # non-leaf that requires grad
+    )
+
+
+def _raise_in_rank1_rank(rank: int, world_size: int, pid_dir: str) -> str:
+    _record_pid(pid_dir, f"rank{rank}")
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    import torch
+    import torch.distributed as dist
+
+    with gloo_process_group(timeout_s=60):
+        dist.all_reduce(torch.zeros(1))  # rank 1 never joins: this rank errors or is killed
+    return "unreachable"
+
+
+def _exit_hard_rank(rank: int, world_size: int) -> None:
+    os._exit(3)
+
+
+def _hang_in_rank1_rank(rank: int, world_size: int, pid_dir: str) -> int:
+    _record_pid(pid_dir, f"rank{rank}")
+    if rank == 1:
+        grandchild = subprocess.Popen(["sleep", "600"])
+        _record_pid(pid_dir, "rank1-grandchild", grandchild.pid)
+        time.sleep(600)
+    return rank
+
+
+def _sleep_rank(rank: int, world_size: int, pid_dir: str) -> None:
+    _record_pid(pid_dir, f"rank{rank}")
+    time.sleep(600)
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_results_come_back_in_rank_order_intact():
+    import torch
+
+    results = run_world(_all_reduce_rank, 2, args=(0.25,), name="dp2")
+
+    assert [result["rank"] for result in results] == [0, 1]
+    for rank, result in enumerate(results):
+        assert isinstance(result, OrderedDict)
+        assert result["world_size"] == 2
+        assert result["env"] == {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1"}
+        assert result["threads"] == 1
+        torch.testing.assert_close(result["total"], torch.tensor([1.5, 10.0]), rtol=0, atol=0)
+        expected_view = (torch.arange(12, dtype=torch.float32).reshape(3, 4) + rank).t()[1:]
+        torch.testing.assert_close(result["transposed_view"], expected_view, rtol=0, atol=0)
+        assert result["bf16"][0].dtype == torch.bfloat16
+        assert result["bf16"][0].tolist() == [rank + 0.5] * 2
+        assert result["grad"].tolist() == [rank + 1.0] * 2
+    assert multiprocessing.active_children() == []
+
+
+def test_raising_rank_is_named_with_its_traceback(tmp_path):
+    with pytest.raises(WorldError) as caught:
+        run_world(_raise_in_rank1_rank, 2, args=(str(tmp_path),), timeout=60, name="tp2-sp")
+
+    error = caught.value
+    assert error.name == "tp2-sp"
+    assert 1 in error.failures
+    assert "ValueError: boom from rank 1" in error.failures[1]
+    assert "_raise_in_rank1_rank" in error.failures[1]  # the child's traceback, not a summary
+    message = str(error)
+    assert message.startswith("world 'tp2-sp': rank 1 failed; rank 0 had not finished and was killed\n")
+    assert error.unfinished == (0,)
+    assert "ValueError: boom from rank 1" in message
+    assert not isinstance(error, WorldTimeout)
+    _assert_all_gone(_read_pids(tmp_path))
+
+
+def test_rank_dying_without_exception_is_reported():
+    with pytest.raises(WorldError) as caught:
+        run_world(_exit_hard_rank, 1, name="tp1")
+    assert str(caught.value).startswith("world 'tp1': rank 0 failed")
+    assert "the process exited with code 3 without returning a result" in caught.value.failures[0]
+
+
+def test_hung_rank_is_killed_with_its_grandchildren(tmp_path):
+    timeout = 3.0
+    started = time.monotonic()
+    with pytest.raises(WorldTimeout) as caught:
+        run_world(_hang_in_rank1_rank, 2, args=(str(tmp_path),), timeout=timeout, name="pp2")
+    elapsed = time.monotonic() - started
+
+    error = caught.value
+    assert error.unfinished == (1,)
+    message = str(error)
+    assert message.startswith("world 'pp2' timed out after 3s: rank 1 did not finish (1 of 2 returned)")
+    assert "--- rank 1 stack at timeout ---" in message
+    assert "_hang_in_rank1_rank" in message  # the hung rank's Python stack, via faulthandler
+    assert elapsed < timeout + STARTUP_SLACK_S
+    pids = _read_pids(tmp_path)
+    assert len(pids) == 3  # two ranks and rank 1's grandchild
+    _assert_all_gone(pids)
+
+
+def test_keyboard_interrupt_kills_the_world(tmp_path):
+    def interrupt_once_ranks_run() -> None:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_ranks_run, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run_world(_sleep_rank, 2, args=(str(tmp_path),), timeout=120, name="dp2")
+    _assert_all_gone(_read_pids(tmp_path))
+
+
+def test_ranks_die_when_the_parent_is_killed(tmp_path):
+    parent_script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from megatron_lora_patch.testing.launcher import run_world
+        from test_launcher import _sleep_rank
+        if __name__ == "__main__":
+            run_world(_sleep_rank, 2, args=({str(tmp_path)!r},), timeout=120)
+        """
+    )
+    script = tmp_path / "parent.py"
+    script.write_text(parent_script)
+    parent = subprocess.Popen([sys.executable, str(script)])
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = _read_pids(tmp_path)
+        assert len(pids) == 2, "the ranks did not start"
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while not all(_is_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _assert_all_gone(pids)
+
+
+def test_unpicklable_function_is_rejected_before_spawning():
+    with pytest.raises(TypeError, match=r"run_world\('dp2'\): fn, args and kwargs must be picklable"):
+        run_world(lambda rank, world_size: rank, 2, name="dp2")
+    assert multiprocessing.active_children() == []
+
+
+def test_gloo_process_group_refuses_missing_environment(monkeypatch):
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(RuntimeError, match=r"environment lacks \['MASTER_PORT'"):
+        with gloo_process_group():
+            pass
