@@ -150,20 +150,23 @@ class Topology:
         ``num_experts``: None or 0 for a dense model. Checks (in this order): world size
         <= ``max_world``; ep/etp > 1 need a MoE model; experts divisible by ep; MoE with
         ep > 1 and tp > 1 needs sp (Megatron requires it); layers divisible by pp;
-        sequence divisible by 2*cp (load-balanced CP chunks) and by tp under sp.
+        sequence divisible by 2*cp when cp > 1 (load-balanced CP chunks) and by tp under sp.
         """
         problems = []
         if max_world is not None and self.world_size > max_world:
             problems.append(f"needs {self.world_size} ranks but at most {max_world} are allowed; use smaller sizes")
         if not num_experts and (self.ep > 1 or self.etp > 1):
-            problems.append(f"ep{self.ep}/etp{self.etp} need a MoE model (num_experts > 0); drop ep/etp for a dense model")
+            problems.append(
+                f"ep{self.ep} and etp{self.etp} shard experts but the model has none (num_experts={num_experts}); "
+                "drop ep/etp or use a MoE model"
+            )
         if num_experts and num_experts % self.ep:
             problems.append(f"num_experts={num_experts} is not divisible by ep{self.ep}; use an ep dividing {num_experts}")
         if num_experts and self.ep > 1 and self.tp > 1 and not self.sp:
             problems.append("MoE with ep > 1 and tp > 1 needs sequence parallel (Megatron requires it); add 'sp'")
         if num_layers is not None and num_layers % self.pp:
             problems.append(f"num_layers={num_layers} is not divisible by pp{self.pp}; use a pp dividing {num_layers}")
-        if seq_length is not None and seq_length % (2 * self.cp):
+        if seq_length is not None and self.cp > 1 and seq_length % (2 * self.cp):
             problems.append(f"seq_length={seq_length} is not divisible by 2*cp = {2 * self.cp} (load-balanced CP chunks)")
         if seq_length is not None and self.sp and seq_length % self.tp:
             problems.append(f"seq_length={seq_length} is not divisible by tp{self.tp} (sequence parallel splits it)")
@@ -218,8 +221,12 @@ class Topology:
     @staticmethod
     def process_groups() -> Any:
         """Megatron's ``ProcessGroupCollection`` of the initialized groups (tp, pp, cp, ep, expt_tp, dp, ...)."""
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
+        try:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+        except ImportError as error:
+            raise RuntimeError(
+                f"this Megatron-Core has no ProcessGroupCollection ({error}); use megatron.core.parallel_state getters"
+            ) from error
         return ProcessGroupCollection.use_mpu_process_groups()
 
     @contextlib.contextmanager
