@@ -1,12 +1,14 @@
-"""Ships the one-line start-up hook `megatron_lora_patch-init.pth` at the wheel root.
+"""Package layout and the start-up hook; everything else is declared in pyproject.toml.
 
-Everything else is declared in pyproject.toml; setuptools has no declarative way to
-place a file at the root of site-packages.
+- `patches/` ships inside the package as `megatron_lora_patch.patches` (never as a bare
+  top-level `patches` module); the other subpackages are found automatically.
+- `megatron_lora_patch-init.pth` goes to the wheel root (site-packages): setuptools has no
+  declarative way to place a file there.
 """
 
 import os
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 PTH = "megatron_lora_patch-init.pth"
@@ -22,4 +24,8 @@ class BuildWithStartupHook(build_py):
         return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
 
 
-setup(cmdclass={"build_py": BuildWithStartupHook})
+setup(
+    packages=find_packages(include=["megatron_lora_patch", "megatron_lora_patch.*"]) + ["megatron_lora_patch.patches"],
+    package_dir={"megatron_lora_patch.patches": "patches"},
+    cmdclass={"build_py": BuildWithStartupHook},
+)

@@ -4,13 +4,11 @@ This package is imported by the start-up `.pth` hook, so importing it must stay 
 the programmatic API (`apply`, `revert`, `status`) is loaded on first use.
 """
 
-from typing import Any
-
 __version__ = "0.1.0"
 __all__ = ["apply", "revert", "status", "SkipPatch"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str):  # no `typing` here: this module is on the start-up path
     if name in __all__:
         from megatron_lora_patch import runtime
 

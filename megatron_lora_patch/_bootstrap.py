@@ -9,7 +9,6 @@ on stderr and swallowed (a broken plugin must never break start-up or `import me
 unless MEGATRON_LORA_STRICT is on.
 """
 
-import importlib.abc
 import os
 import sys
 
@@ -32,8 +31,8 @@ def report_failure(where: str, error: BaseException) -> None:
     )
 
 
-class _MegatronWatcher(importlib.abc.MetaPathFinder):
-    """Finds nothing itself. On the first lookup of `megatron` it removes itself and
+class _MegatronWatcher:
+    """A meta-path finder (duck-typed: importing importlib.abc would cost start-up time) that finds nothing itself. On the first lookup of `megatron` it removes itself and
     activates the runtime, which only registers post-import hooks (it never imports
     Megatron), so every patch target imported from then on gets patched."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import sys
 from typing import Optional
@@ -16,11 +17,12 @@ class VersionError(ValueError):
     """A version or version range that cannot be parsed."""
 
 
+@functools.lru_cache(maxsize=None)
 def installed_megatron_core() -> Optional[Version]:
     """From the distribution metadata; a source checkout falls back to `megatron.core.package_info`.
 
     The fallback is read only when `megatron.core` is already imported, so asking for the
-    version never imports Megatron.
+    version never imports Megatron. Cached: the installed version does not change in a process.
     """
     try:
         text = importlib.metadata.version(DISTRIBUTION)

@@ -6,11 +6,10 @@ import os
 import pathlib
 import subprocess
 import sys
-import sysconfig
-import venv
-import zipfile
 
 import pytest
+
+from megatron_lora_patch.testing import wheel_env
 
 PLUGIN_FIXTURES = pathlib.Path(__file__).parent / "plugin_fixtures"
 REPO = pathlib.Path(__file__).parent.parent
@@ -42,28 +41,8 @@ def demo_plugins(monkeypatch):
 
 @pytest.fixture(scope="session")
 def installed_python(tmp_path_factory) -> pathlib.Path:
-    """A fresh interpreter with this checkout's WHEEL installed (its `.pth` start-up hook
-    included) on top of the current environment's packages: the state `pip install` leaves.
-    """
-    root = tmp_path_factory.mktemp("installed")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(root), str(REPO)],
-        check=True,
-        capture_output=True,
-    )
-    (wheel,) = root.glob("*.whl")
-    env_dir = root / "env"
-    venv.EnvBuilder(with_pip=False, symlinks=True).create(env_dir)
-    python = env_dir / "bin" / "python"
-    site_packages = pathlib.Path(
-        subprocess.check_output([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip()
-    )
-    with zipfile.ZipFile(wheel) as archive:
-        archive.extractall(site_packages)
-    # Dependencies (torch, megatron-core, wrapt, pluggy) come from the current environment;
-    # a plain path line does not run that environment's own .pth files.
-    (site_packages / "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    return python
+    """A fresh interpreter with this checkout's wheel installed, `.pth` start-up hook included."""
+    return wheel_env.create(tmp_path_factory.mktemp("installed"), REPO)
 
 
 def run_python(python: pathlib.Path, code: str, *, plugins: bool = True, args=(), **env: str) -> subprocess.CompletedProcess:

@@ -111,3 +111,24 @@ def test_status_command_in_fresh_interpreter(installed_python):
     assert document["plugins"] == ["demo"]
     assert rows["demo_shout"]["state"] == "applied"
     assert rows["demo_optional"]["state"] == "disabled"
+
+
+def test_wheel_ships_every_module_and_no_bare_patches(installed_python):
+    """Every source module is importable from the installed wheel; `patches` only as a subpackage."""
+    from conftest import REPO
+
+    sources = sorted(
+        ["megatron_lora_patch." + ".".join(p.relative_to(REPO / "megatron_lora_patch").with_suffix("").parts)
+         for p in (REPO / "megatron_lora_patch").rglob("*.py")]
+        + ["megatron_lora_patch.patches." + p.stem for p in (REPO / "patches").glob("*.py")]
+    )
+    sources = [name.removesuffix(".__init__") for name in sources]
+    code = (
+        "import importlib.util, json, sys\n"
+        f"names = {sources!r}\n"
+        "missing = [n for n in names if importlib.util.find_spec(n) is None]\n"
+        "print(json.dumps([missing, importlib.util.find_spec('patches') is None]))\n"
+    )
+    result = run_python(installed_python, code, plugins=False)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [[], True]

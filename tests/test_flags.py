@@ -90,5 +90,9 @@ def test_installed_version_falls_back_to_package_info(monkeypatch):
 
     monkeypatch.setattr(importlib.metadata, "version", missing)
     monkeypatch.setitem(sys.modules, "megatron.core.package_info", types.SimpleNamespace(__version__="0.15.3"))
-    assert str(versions.installed_megatron_core()) == "0.15.3"
+    versions.installed_megatron_core.cache_clear()
+    try:
+        assert str(versions.installed_megatron_core()) == "0.15.3"
+    finally:
+        versions.installed_megatron_core.cache_clear()
     assert flags.parse_bool("X", " ON ") is True

@@ -1,0 +1,44 @@
+"""A fresh interpreter with a freshly built wheel of this project installed, `.pth` included.
+
+It stands on the current environment's packages (torch, megatron-core, ...) through a plain
+path line, which does not run that environment's own `.pth` files, so what runs at start-up
+is exactly what `pip install megatron-lora-patch` would leave. Used by the bootstrap tests and
+the start-up benchmark.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from typing import Optional
+
+
+def create(root: pathlib.Path, project: Optional[pathlib.Path]) -> pathlib.Path:
+    """Make an environment under `root`; with `project`, build and install its wheel there.
+
+    Returns the environment's python. Without `project` it is the "not installed" baseline.
+    """
+    env_dir = root / ("with-wheel" if project else "without")
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    site_packages = pathlib.Path(
+        subprocess.check_output(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+        ).strip()
+    )
+    if project is not None:
+        wheel_dir = root / "wheel"
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir), str(project)],
+            check=True,
+            capture_output=True,
+        )
+        (wheel,) = wheel_dir.glob("*.whl")
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(site_packages)
+    (site_packages / "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
