@@ -61,12 +61,12 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def format_table(rows: Sequence["object"]) -> str:
-    header = ("plugin", "patch", "target", "tested", "megatron-core", "enabled", "state")
-    table = [header] + [
+    """One aligned row per patch, its targets listed underneath (they are long)."""
+    header = ("plugin", "patch", "tested", "megatron-core", "enabled", "state")
+    cells = [header] + [
         (
             r.plugin,
             r.patch,
-            r.target,
             r.tested,
             r.installed,
             f"{'on' if r.enabled else 'off'} ({r.source})",
@@ -74,7 +74,10 @@ def format_table(rows: Sequence["object"]) -> str:
         )
         for r in rows  # type: ignore[attr-defined]
     ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1] for row in table
-    )
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header) - 1)]
+    lines = []
+    for index, row in enumerate(cells):
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
+        if index:
+            lines += [f"    target {target}" for target in rows[index - 1].target.split(", ")]  # type: ignore[attr-defined]
+    return "\n".join(lines)

@@ -132,3 +132,24 @@ def test_wheel_ships_every_module_and_no_bare_patches(installed_python):
     result = run_python(installed_python, code, plugins=False)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == [[], True]
+
+
+def test_status_table_and_module_entry_point(installed_python):
+    result = run_python(installed_python, "import runpy; runpy.run_module('megatron_lora_patch', run_name='__main__')",
+                        args=(), MEGATRON_PLUGINS="demo")
+    assert result.returncode == 2 and "the following arguments are required: command" in result.stderr
+    code = "import sys; sys.argv = ['megatron-lora-patch', 'status']; import runpy; runpy.run_module('megatron_lora_patch', run_name='__main__')"
+    result = run_python(installed_python, code, MEGATRON_PLUGINS="demo")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["plugin", "patch", "tested", "megatron-core", "enabled", "state"]
+    shout = lines.index(next(line for line in lines if line.split()[:2] == ["demo", "demo_shout"]))
+    assert lines[shout].split()[-3:] == ["on", "(default)", "applied"]
+    assert lines[shout + 1].strip() == "target demo_target"
+
+
+def test_status_when_plugins_unset(installed_python):
+    code = "from megatron_lora_patch.cli import main; raise SystemExit(main(['status']))"
+    result = run_python(installed_python, code)
+    assert result.returncode == 0
+    assert result.stdout.startswith("MEGATRON_PLUGINS is unset: no plugin is active and nothing is patched. Installed plugins: canary, demo, lora_correct.")
