@@ -1,0 +1,43 @@
+"""Pieces of the `cpu_compat` patch: run Megatron-Core on CPU with gloo, numerics unchanged.
+
+Each submodule fixes one kind of CUDA hard-code (see patches/cpu_compat.py for the map
+from Megatron module to fix). Everything here is installed only through a `Patcher`,
+so reverting the patch restores torch and Megatron exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: Set to 1 to apply the CPU fixes even on a machine where CUDA is available.
+FORCE_FLAG = "MEGATRON_LORA_PATCH_CPU_COMPAT_FORCE"
+
+
+def host_is_cpu() -> bool:
+    """True when the CPU fixes should take effect: no usable CUDA, or forced by `FORCE_FLAG`."""
+    if os.environ.get(FORCE_FLAG, "").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def wrap_with_reexports(patcher, module, attribute: str, wrapper, reexported_by=()) -> None:
+    """Wrap `module.attribute` and the same object where other modules imported it by name.
+
+    A module that does `from x import f` before the patch is applied keeps the original
+    `f`; wrapping each already-imported re-export (named in `reexported_by`) keeps the
+    fix effective whatever the import order. Modules imported later copy the wrapper.
+    """
+    import sys
+
+    import wrapt
+
+    original = getattr(module, attribute)
+    patcher.wrap(module, attribute, wrapper)
+    for name in reexported_by:
+        importer = sys.modules.get(name)
+        if importer is None or isinstance(vars(importer).get(attribute), wrapt.ObjectProxy):
+            continue
+        if vars(importer).get(attribute) is original:
+            patcher.wrap(importer, attribute, wrapper)
