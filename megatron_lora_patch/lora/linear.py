@@ -1,0 +1,85 @@
+"""How the LoRA term rides the base layer's own linear call and collectives.
+
+Hook point: the module globals `linear_with_frozen_weight` and
+`linear_with_grad_accumulation_and_async_allreduce` of
+`megatron.core.tensor_parallel.layers`, which `ColumnParallelLinear.forward` and
+`RowParallelLinear.forward` look up on every call in 0.13-0.16 (whether `_forward_impl`
+is an instance attribute or a method). Everything the layer's forward decides (copy to
+the TP region, `explicit_expert_comm`, bias handling, `gather_output`, the row
+reduction) stays Megatron's. A context variable, set by the wrapped layer `forward`,
+tells the function wrapper which adapter (if any) the current call belongs to.
+
+- column-parallel: the function is about to gather the input over the sequence (SP) or
+  to all-reduce the input grad (`allreduce_dgrad`). The wrapper does that step once,
+  with Megatron's own mappings, BEFORE the base matmul (`gather_from_sequence_parallel_region`:
+  AG forward / RS backward; `copy_to_tensor_model_parallel_region`: identity / AR backward)
+  and feeds the same tensor to base and LoRA, so the ONE dgrad reduce-scatter /
+  all-reduce carries base + LoRA input grads.
+- row-parallel: the function returns the pre-reduction partial; the wrapper adds the
+  LoRA partial to it, so Megatron's single all-reduce / reduce-scatter reduces both,
+  and on explicit-expert-comm paths both stay a partial sum for the dispatcher.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+from typing import Any, Callable, Optional
+
+from .adapter import ADAPTER_NAME, LoraAdapter
+
+_current_adapter: contextvars.ContextVar = contextvars.ContextVar("megatron_lora_adapter", default=None)
+
+
+def adapter_of(layer: Any) -> Optional[LoraAdapter]:
+    """The adapter attached to `layer`, or None."""
+    return getattr(layer, "_modules", {}).get(ADAPTER_NAME)
+
+
+def layer_forward(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of a parallel linear's `forward`: exposes its adapter to the linear call."""
+    token = _current_adapter.set(adapter_of(instance))
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _current_adapter.reset(token)
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(function: Callable) -> inspect.Signature:
+    return inspect.signature(function)
+
+
+def linear_call(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of Megatron's linear functions: base output plus the LoRA term."""
+    adapter: Optional[LoraAdapter] = _current_adapter.get()
+    if adapter is None:
+        return wrapped(*args, **kwargs)
+    # One adapter term per layer forward: any further call inside it is plain.
+    _current_adapter.set(None)
+    call = _signature(wrapped).bind(*args, **kwargs).arguments
+    if adapter.parallel_mode == "row":
+        return wrapped(**call) + adapter.row_term(call["input"])
+    return column_call(wrapped, call, adapter)
+
+
+def column_call(linear: Callable, call: dict, adapter: LoraAdapter) -> Any:
+    """Column-parallel: one input collective shared by the base matmul and the LoRA branch."""
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    local_input = call["input"]
+    group = adapter.tp_group
+    keep_local = None
+    if call.get("sequence_parallel"):
+        total_input = gather_from_sequence_parallel_region(local_input, tensor_parallel_output_grad=True, group=group)
+        keep_local = local_input if adapter.sp_input == "regather" else None
+    elif call.get("allreduce_dgrad"):
+        total_input = copy_to_tensor_model_parallel_region(local_input, group=group)
+    else:
+        total_input = local_input
+    call.update(input=total_input, sequence_parallel=False, allreduce_dgrad=False)
+    return linear(**call) + adapter.column_term(total_input, keep_local)

@@ -1,0 +1,60 @@
+"""`lora_linear`: LoRA adapters on Megatron's tensor-parallel linear layers (DESIGN.md section 4).
+
+Two targets:
+- `megatron.core.tensor_parallel.layers`: the layer `forward`s announce their adapter
+  and the module-global linear functions add the LoRA term on the base layer's own
+  collectives (see `megatron_lora_patch.lora.linear` for why this hook point).
+- `megatron.core.models.gpt.gpt_model`: when a `GPTModel` finishes construction, the
+  adapters are attached to its targeted linears (their qualified names are known only
+  then) and the base model is frozen, so an unchanged model provider trains LoRA only.
+  Configuration: `megatron_lora_patch.lora.config.set_active(...)` or the
+  `MEGATRON_LORA_*` environment variables.
+
+Transformer Engine linears are not adapted yet: with TE specs the targets match no
+Megatron linear and attaching fails with the list of layers that exist.
+"""
+
+from __future__ import annotations
+
+from megatron_lora_patch.patching import PatchSpec
+
+LINEAR_FUNCTIONS = ("linear_with_frozen_weight", "linear_with_grad_accumulation_and_async_allreduce")
+
+
+def _patch_layers(patcher, layers) -> None:
+    from megatron_lora_patch.lora.linear import layer_forward, linear_call
+
+    for function_name in LINEAR_FUNCTIONS:
+        patcher.wrap(layers, function_name, linear_call)
+    patcher.wrap(layers.ColumnParallelLinear, "forward", layer_forward)
+    patcher.wrap(layers.RowParallelLinear, "forward", layer_forward)
+
+
+def _attach_after_init(wrapped, instance, args, kwargs):
+    from megatron_lora_patch.lora.attach import attach_adapters
+
+    wrapped(*args, **kwargs)
+    attach_adapters(instance)
+
+
+def _patch_gpt_model(patcher, gpt_model) -> None:
+    patcher.wrap(gpt_model.GPTModel, "__init__", _attach_after_init)
+
+
+SPEC = PatchSpec(
+    name="lora_linear",
+    summary="LoRA adapters on Column/RowParallelLinear riding the base layer's collectives; base frozen",
+    hooks={
+        "megatron.core.tensor_parallel.layers": _patch_layers,
+        "megatron.core.models.gpt.gpt_model": _patch_gpt_model,
+    },
+    versions=">=0.13,<0.17",
+    default=True,
+    targets=(
+        "megatron.core.tensor_parallel.layers:linear_with_frozen_weight",
+        "megatron.core.tensor_parallel.layers:linear_with_grad_accumulation_and_async_allreduce",
+        "megatron.core.tensor_parallel.layers:ColumnParallelLinear.forward",
+        "megatron.core.tensor_parallel.layers:RowParallelLinear.forward",
+        "megatron.core.models.gpt.gpt_model:GPTModel.__init__",
+    ),
+)
