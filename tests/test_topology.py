@@ -195,7 +195,8 @@ def _parallel_state_rounds(rank: int, world_size: int, specs: list[str]) -> dict
                 default_draw=torch.rand(3),
                 model_parallel_draw=model_parallel_draw,
             )
-        assert not ps.model_parallel_is_initialized() and not dist.is_initialized(), f"{spec}: teardown left state"
+        assert not ps.model_parallel_is_initialized() and not dist.is_initialized(), f"{spec}: teardown left groups"
+        assert tensor_parallel.get_cuda_rng_tracker().get_states() == {}, f"{spec}: teardown left RNG states"
     with pytest.raises(RuntimeError) as caught:
         Topology.parse("tp1").initialize()
     seen["uninitialized_error"] = str(caught.value)

@@ -213,10 +213,11 @@ class Topology:
 
     @staticmethod
     def teardown() -> None:
-        """Destroy Megatron's model-parallel state (its groups and RNG tracker states)."""
-        from megatron.core import parallel_state
+        """Destroy Megatron's model-parallel state: its groups, buffers and RNG tracker states (safe if never initialized)."""
+        from megatron.core import parallel_state, tensor_parallel
 
         parallel_state.destroy_model_parallel()
+        tensor_parallel.get_cuda_rng_tracker().reset()
 
     @staticmethod
     def process_groups() -> Any:
@@ -237,11 +238,11 @@ class Topology:
         from megatron_lora_patch.testing.launcher import gloo_process_group
 
         with gloo_process_group(timeout_s=timeout_s):
-            self.initialize(seed=seed, cpu_compat=cpu_compat)
             try:
+                self.initialize(seed=seed, cpu_compat=cpu_compat)
                 yield self
             finally:
-                self.teardown()
+                self.teardown()  # also after a half-done initialize, so the next world starts clean
 
 
 def _enable_cpu_compat() -> None:
