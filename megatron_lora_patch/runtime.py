@@ -85,6 +85,7 @@ class Runtime:
         self._records: dict[str, _Record] = {}
         self._watched: set[str] = set()
         self._strict = False
+        self._warned: set[str] = set()
         self._lock = threading.RLock()
 
     # -- public ---------------------------------------------------------------------
@@ -145,7 +146,17 @@ class Runtime:
                 record = self._records[name]
                 self._revert(record, "reverted")
                 record.enabled = False
+            self._warned.clear()  # a re-applied patch reports its problems again
             return self.status()
+
+    @property
+    def strict(self) -> bool:
+        return self._strict
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("megatron-lora-patch: %s", message)
 
     def import_targets(self) -> None:
         """Import every enabled patch's target modules (what `status` does to show real states)."""
@@ -309,6 +320,24 @@ def revert(names: Optional[Iterable[str]] = None) -> list[PatchStatus]:
 def status() -> list[PatchStatus]:
     """One row per known patch: enabled and why, applied / skipped / failed and why."""
     return get_runtime().status()
+
+
+def strict() -> bool:
+    """Whether problems raise: as resolved by the last `apply` (argument > MEGATRON_LORA_STRICT)."""
+    return get_runtime().strict
+
+
+def report_problem(key: str, message: str, fallback: str = "") -> None:
+    """A patch found a misuse at run time (not at patch time): raise `PatchError` in strict
+    mode, else warn once per `key` (with `fallback` saying what the run does instead)."""
+    if strict():
+        raise PatchError(f"{message} (MEGATRON_LORA_STRICT is on)")
+    get_runtime().warn_once(key, message + fallback)
+
+
+def warn_once(key: str, message: str) -> None:
+    """A warning that never needs to stop the run, logged once per `key`."""
+    get_runtime().warn_once(key, message)
 
 
 def activate_from_env() -> None:

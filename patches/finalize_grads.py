@@ -29,7 +29,7 @@ import logging
 import sys
 import types
 
-from megatron_lora_patch import flags
+from megatron_lora_patch import runtime
 from megatron_lora_patch.lora.metadata import adapter_info
 from megatron_lora_patch.patching import Patcher, PatchSpec
 
@@ -59,24 +59,12 @@ class _StepTracker:
 
     def __init__(self) -> None:
         self.unfinalized = False
-        self.warned: set[str] = set()
 
     def reset(self) -> None:
         self.unfinalized = False
-        self.warned.clear()
-
-    def warn_once(self, key: str, message: str) -> None:
-        if key not in self.warned:
-            self.warned.add(key)
-            log.warning("megatron-lora-patch: %s", message)
 
 
 TRACKER = _StepTracker()
-
-
-def strict_mode() -> bool:
-    """MEGATRON_LORA_STRICT, read when the problem is found (the runtime owns the flag)."""
-    return flags.strict()
 
 
 def _model_chunks(model) -> list:
@@ -144,7 +132,7 @@ def _track_training_step(wrapped, instance, args, kwargs):
     unpatched = _unpatched_finalize()
     swap = unpatched is not None and configured is unpatched
     if swap:
-        TRACKER.warn_once(
+        runtime.warn_once(
             "unpatched-func",
             "config.finalize_model_grads_func holds Megatron's finalize_model_grads as bound before the "
             "finalize_grads patch was applied; using the patched function for each training step",
@@ -171,9 +159,7 @@ def _patch_schedules(patcher: Patcher, schedules: types.ModuleType) -> None:
 def _refuse_unfinalized_grads(wrapped, instance, args, kwargs):
     if TRACKER.unfinalized:
         TRACKER.unfinalized = False  # reported once per step
-        if strict_mode():
-            raise RuntimeError(MISSING_FINALIZE + " (MEGATRON_LORA_STRICT is on)")
-        TRACKER.warn_once("missing-finalize", MISSING_FINALIZE)
+        runtime.report_problem("missing-finalize", MISSING_FINALIZE)
     return wrapped(*args, **kwargs)
 
 

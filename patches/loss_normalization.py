@@ -29,7 +29,7 @@ import inspect
 import logging
 import types
 
-from megatron_lora_patch import flags
+from megatron_lora_patch import runtime
 from megatron_lora_patch.patching import Patcher, PatchSpec
 
 log = logging.getLogger(__name__)
@@ -47,32 +47,6 @@ CONFIG_BEFORE_PATCH = (
     "apply megatron_lora_patch (MEGATRON_PLUGINS=lora_correct) before building the config and DDP, or set "
     "calculate_per_token_loss=True in the TransformerConfig and average_in_collective=False in the DDP config"
 )
-
-
-class _Warnings:
-    """Each problem is reported once per process (until the patch is reverted)."""
-
-    def __init__(self) -> None:
-        self.seen: set[str] = set()
-
-    def once(self, key: str, message: str) -> None:
-        if key not in self.seen:
-            self.seen.add(key)
-            log.warning("megatron-lora-patch: %s", message)
-
-
-WARNINGS = _Warnings()
-
-
-def strict_mode() -> bool:
-    """MEGATRON_LORA_STRICT, read when the problem is found (the runtime owns the flag)."""
-    return flags.strict()
-
-
-def _report(key: str, message: str, fallback: str = "") -> None:
-    if strict_mode():
-        raise RuntimeError(message + " (MEGATRON_LORA_STRICT is on)")
-    WARNINGS.once(key, message + fallback)
 
 
 # -- config and DDP ------------------------------------------------------------------------
@@ -94,7 +68,7 @@ def _per_token_before_ddp(wrapped, instance, args, kwargs):
     if not config.calculate_per_token_loss:
         config.calculate_per_token_loss = True
         if getattr(config, "num_moe_experts", None):
-            WARNINGS.once(
+            runtime.warn_once(
                 "late-config",
                 "calculate_per_token_loss turned on at DDP construction: the config was built before the "
                 "loss_normalization patch, so MoE routers built from it keep the per-microbatch aux-loss scaling",
@@ -131,9 +105,9 @@ def guard_loss_func(loss_func, config, cp_group_size=None):
         if kwargs.get("non_loss_data") or len(outputs) != 2:
             return outputs
         if not config.calculate_per_token_loss:  # Megatron's own legacy path runs; it is a mean of means
-            _report("legacy-loss", LEGACY_LOSS)
+            runtime.report_problem("legacy-loss", LEGACY_LOSS)
             return outputs
-        _report("legacy-loss", LEGACY_LOSS, LEGACY_FALLBACK)
+        runtime.report_problem("legacy-loss", LEGACY_LOSS, LEGACY_FALLBACK)
         import torch
 
         mean, report = outputs
@@ -147,7 +121,7 @@ def guard_loss_func(loss_func, config, cp_group_size=None):
 
 def _check_config(config) -> None:
     if not config.calculate_per_token_loss:
-        _report("config-before-patch", CONFIG_BEFORE_PATCH)
+        runtime.report_problem("config-before-patch", CONFIG_BEFORE_PATCH)
 
 
 def _patch_schedules(patcher: Patcher, schedules: types.ModuleType) -> None:
@@ -187,9 +161,6 @@ def _patch_schedules(patcher: Patcher, schedules: types.ModuleType) -> None:
     patcher.wrap(schedules, "forward_step", guard_forward_step)
 
 
-def _patch_schedules_and_reset(patcher: Patcher, schedules: types.ModuleType) -> None:
-    _patch_schedules(patcher, schedules)
-    patcher.on_revert(WARNINGS.seen.clear)
 
 
 SPEC = PatchSpec(
@@ -199,7 +170,7 @@ SPEC = PatchSpec(
     hooks={
         "megatron.core.transformer.transformer_config": _patch_transformer_config,
         "megatron.core.distributed.distributed_data_parallel": _patch_ddp,
-        "megatron.core.pipeline_parallel.schedules": _patch_schedules_and_reset,
+        "megatron.core.pipeline_parallel.schedules": _patch_schedules,
     },
     versions=">=0.13,<0.17",
     default=True,

@@ -10,7 +10,6 @@ it once their per-rank partial sums are SUMmed over TP.
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
@@ -129,13 +128,15 @@ class TinyLoRAPair(torch.nn.Module):
         return y.squeeze(1)
 
 
-def apply_patches(finalize: bool, loss: bool) -> None:
+def apply_patches(finalize: bool, loss: bool, strict: bool = False) -> None:
     """Only cpu_compat and the patches under test: the real LoRA layers stay out of this model."""
     import megatron_lora_patch
     from megatron_lora_patch.plugin import PATCH_MODULES
 
     wanted = {"cpu_compat": True, "finalize_grads": finalize, "loss_normalization": loss}
-    megatron_lora_patch.apply(plugins=["lora_correct"], enable={name: wanted.get(name, False) for name in PATCH_MODULES})
+    megatron_lora_patch.apply(
+        plugins=["lora_correct"], enable={name: wanted.get(name, False) for name in PATCH_MODULES}, strict=strict
+    )
 
 
 def build_ddp_model(tp: int, sequence_parallel: bool = False):
@@ -297,7 +298,7 @@ def missing_finalize_reports(model, config, samples) -> dict:
     train_step(model, samples)
     optimizer.prepare_grads()
     warned = any("SkyRL #223" in record.getMessage() for record in records)
-    os.environ["MEGATRON_LORA_STRICT"] = "1"
+    apply_patches(finalize=True, loss=True, strict=True)
     try:
         train_step(model, samples)
         optimizer.prepare_grads()
@@ -305,7 +306,7 @@ def missing_finalize_reports(model, config, samples) -> dict:
     except RuntimeError as error:
         strict_error = str(error)
     finally:
-        del os.environ["MEGATRON_LORA_STRICT"]
+        apply_patches(finalize=True, loss=True, strict=False)
     from megatron.core.distributed import finalize_model_grads
 
     config.finalize_model_grads_func = finalize_model_grads

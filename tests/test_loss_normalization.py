@@ -8,7 +8,6 @@ a regression would be caught). The model and reference are those of test_finaliz
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
@@ -49,14 +48,14 @@ def legacy_loss_reports(model, samples) -> dict:
     train_step(model, samples, loss_func=mean_loss_func)
     train_step(model, samples, loss_func=mean_loss_func)
     warnings = [r.getMessage() for r in records if "legacy 2-tuple" in r.getMessage()]
-    os.environ["MEGATRON_LORA_STRICT"] = "1"
+    apply_patches(finalize=True, loss=True, strict=True)
     try:
         train_step(model, samples, loss_func=mean_loss_func)
         strict_error = None
     except RuntimeError as error:
         strict_error = str(error)
     finally:
-        del os.environ["MEGATRON_LORA_STRICT"]
+        apply_patches(finalize=True, loss=True, strict=False)
     return {"warnings": warnings, "strict_error": strict_error}
 
 
