@@ -167,6 +167,19 @@ def test_validate_accepts_fitting_models():
 # ----------------------------------------------------------------------------- real parallel_state on 2 ranks
 
 
+def _process_groups_if_megatron_has_them(topology: Topology) -> dict:
+    """Sizes of the tp / dp groups in ``process_groups()``; on Megatron without the class, check its error instead."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import process_groups_config
+
+    if not hasattr(process_groups_config, "ProcessGroupCollection"):  # Megatron-Core 0.13
+        with pytest.raises(RuntimeError, match="this Megatron-Core has no process_groups_config.ProcessGroupCollection"):
+            topology.process_groups()
+        return {"tp": ps.get_tensor_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size()}
+    groups = topology.process_groups()
+    return {"tp": groups.tp.size(), "dp": groups.dp.size()}
+
+
 def _parallel_state_rounds(rank: int, world_size: int, specs: list[str]) -> dict:
     """Open, inspect and tear down one world per spec in sequence (also proves teardown is complete)."""
     import torch
@@ -181,14 +194,14 @@ def _parallel_state_rounds(rank: int, world_size: int, specs: list[str]) -> dict
         topology = Topology.parse(spec)
         with topology.world(seed=1234, timeout_s=60) as inside:
             assert inside is topology
-            groups = topology.process_groups()
+            groups = _process_groups_if_megatron_has_them(topology)
             with tensor_parallel.get_cuda_rng_tracker().fork():  # the model-parallel RNG stream
                 model_parallel_draw = torch.rand(3)
             seen[spec] = dict(
-                tp=(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), groups.tp.size()),
+                tp=(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), groups.get("tp")),
                 pp=(ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()),
                 cp=(ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()),
-                dp=(ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), groups.dp.size()),
+                dp=(ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), groups.get("dp")),
                 ep=(ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()),
                 etp=(ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()),
                 expert_dp=ps.get_expert_data_parallel_world_size(),

@@ -221,14 +221,21 @@ class Topology:
 
     @staticmethod
     def process_groups() -> Any:
-        """Megatron's ``ProcessGroupCollection`` of the initialized groups (tp, pp, cp, ep, expt_tp, dp, ...)."""
-        try:
-            from megatron.core.process_groups_config import ProcessGroupCollection
-        except ImportError as error:
+        """Megatron's ``ProcessGroupCollection`` of the initialized groups (tp, pp, cp, ep, expt_tp, dp, ...).
+
+        What Megatron APIs taking ``pg_collection`` expect. Megatron-Core 0.13 has no such
+        class (its groups are split over ``ModelCommProcessGroups`` / ``GradCommProcessGroups``):
+        there this raises ``RuntimeError``; use the ``parallel_state`` getters instead.
+        """
+        from megatron.core import process_groups_config
+
+        collection = getattr(process_groups_config, "ProcessGroupCollection", None)
+        if collection is None:
             raise RuntimeError(
-                f"this Megatron-Core has no ProcessGroupCollection ({error}); use megatron.core.parallel_state getters"
-            ) from error
-        return ProcessGroupCollection.use_mpu_process_groups()
+                "this Megatron-Core has no process_groups_config.ProcessGroupCollection; "
+                "use the megatron.core.parallel_state getters (get_tensor_model_parallel_group(), ...)"
+            )
+        return collection.use_mpu_process_groups()
 
     @contextlib.contextmanager
     def world(
