@@ -223,3 +223,25 @@ def test_gloo_process_group_refuses_missing_environment(monkeypatch):
     with pytest.raises(RuntimeError, match=r"environment lacks \['MASTER_PORT'"):
         with gloo_process_group():
             pass
+
+
+class _OnlyPicklable:
+    """Pickles fine in a rank but cannot be loaded back (its reconstruction raises)."""
+
+    def __reduce__(self):
+        return (_refuse_to_load, ())
+
+
+def _refuse_to_load():
+    raise RuntimeError("cannot rebuild this object")
+
+
+def _return_unloadable_rank(rank: int, world_size: int) -> object:
+    return _OnlyPicklable()
+
+
+def test_unloadable_result_is_reported_as_that_ranks_failure():
+    with pytest.raises(WorldError) as caught:
+        run_world(_return_unloadable_rank, 1, name="tp1")
+    assert "the parent could not load this rank's return value" in caught.value.failures[0]
+    assert "RuntimeError: cannot rebuild this object" in caught.value.failures[0]

@@ -208,9 +208,12 @@ def _receive(entry: _Rank) -> tuple[str, Any] | None:
             kind, body = entry.conn.recv()
         except EOFError:
             return _died(entry)
-        if kind == "ok":
+        if kind != "ok":
+            return "error", body
+        try:
             return "ok", _loads(body)
-        return "error", body
+        except Exception:
+            return "error", "the parent could not load this rank's return value:\n" + traceback.format_exc()
     if entry.process.is_alive():
         return None
     return _died(entry)
