@@ -1,0 +1,147 @@
+"""cpu_compat: exact revert, no effect with CUDA, and each fix is needed (TP2+SP)."""
+
+from __future__ import annotations
+
+import torch
+
+import pytest
+
+from megatron_lora_patch.testing.launcher import WorldError, run_world
+from megatron_lora_patch.testing.models import TinyGPTSpec, logical_shapes
+from megatron_lora_patch.testing.shards import assemble_logical
+
+SPEC = TinyGPTSpec()
+ONLY_CPU_COMPAT = {"cpu_compat": True, "lora_linear": False, "finalize_grads": False, "loss_normalization": False}
+_PATCHED = {
+    "torch.cuda": ("current_device", "synchronize", "Stream", "current_stream", "default_stream", "stream"),
+    "megatron.core.tensor_parallel.random": ("_get_cuda_rng_state", "_set_cuda_rng_state", "model_parallel_cuda_manual_seed"),
+    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker": ("add", "fork"),
+    "megatron.core.tensor_parallel": ("model_parallel_cuda_manual_seed", "all_to_all"),
+    "megatron.core.transformer.torch_norm:WrappedTorchNorm": ("__new__",),
+    "megatron.core.tensor_parallel.mappings": ("_gather_along_first_dim", "_reduce_scatter_along_first_dim", "all_to_all"),
+    "megatron.core.transformer.moe.token_dispatcher": ("all_to_all",),
+    "megatron.core.optimizer.clip_grads": ("clip_grad_by_total_norm_fp32",),
+    "megatron.core.optimizer.optimizer": ("clip_grad_by_total_norm_fp32",),
+}
+_MISSING = object()
+
+
+def _snapshot():
+    import importlib
+
+    snapshot = {}
+    for where, attributes in _PATCHED.items():
+        module_name, _, class_name = where.partition(":")
+        owner = importlib.import_module(module_name)
+        owner = getattr(owner, class_name) if class_name else owner
+        for attribute in attributes:
+            snapshot[where, attribute] = vars(owner).get(attribute, _MISSING)
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    snapshot["moe_utils", "te_general_gemm"] = vars(moe_utils).get("te_general_gemm", _MISSING)
+    snapshot["torch", "function modes"] = len(torch.overrides._get_current_function_mode_stack())
+    return snapshot
+
+
+def apply_revert_round_trip(rank, world_size):
+    """Import Megatron, apply, check every target changed, revert, check every target is the original."""
+    import megatron.core.optimizer  # noqa: F401  (imports clip_grads and optimizer)
+    import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
+    import megatron.core.transformer.torch_norm  # noqa: F401
+
+    import megatron_lora_patch
+
+    before = _snapshot()
+    megatron_lora_patch.apply(plugins=["lora_correct"], enable=ONLY_CPU_COMPAT, strict=True)
+    during = _snapshot()
+    on_host = (torch.cuda.current_device(), torch.zeros(1, device="cuda").device, torch.ones(1).cuda().device)
+    megatron_lora_patch.revert()
+    after = _snapshot()
+    unchanged_while_applied = [key for key in before if key != ("torch", "function modes") and during[key] is before[key]]
+    not_restored = [key for key in before if after[key] is not before[key] and after[key] != before[key]]
+    return unchanged_while_applied, not_restored, on_host, during[("torch", "function modes")]
+
+
+def skipped_when_cuda_is_available(rank, world_size):
+    import megatron.core.tensor_parallel  # noqa: F401
+
+    import megatron_lora_patch
+
+    torch.cuda.is_available = lambda: True  # this throwaway process pretends to have a GPU
+    original = torch.cuda.current_device
+    rows = megatron_lora_patch.apply(plugins=["lora_correct"], enable=ONLY_CPU_COMPAT)
+    state = next(row.state for row in rows if row.patch == "cpu_compat")
+    return state, torch.cuda.current_device is original
+
+
+def test_revert_restores_every_patched_attribute():
+    unchanged, not_restored, on_host, modes = run_world(apply_revert_round_trip, 1, name="tp1")[0]
+    assert unchanged == [] and not_restored == []
+    assert on_host == (torch.device("cpu"),) * 3 and modes == 1
+
+
+def test_does_nothing_when_cuda_is_available():
+    state, current_device_untouched = run_world(skipped_when_cuda_is_available, 1, name="tp1")[0]
+    assert state == "skipped" and current_device_untouched
+
+
+def tp2_sp_grads(rank, world_size, topology_spec, skip_hook=None, strip_norm_tags=False):
+    """Logits and finalized grads (Megatron DDP + finalize_model_grads) of a fixed linear loss."""
+    import importlib
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from megatron_lora_patch.patches import cpu_compat
+    from megatron_lora_patch.patching import Patcher
+    from megatron_lora_patch.testing import models, shards
+    from megatron_lora_patch.testing.topology import Topology
+
+    patcher = Patcher()  # the patch minus `skip_hook`, applied by hand
+    for module_name, hook in cpu_compat.SPEC.hooks.items():
+        if module_name != skip_hook:
+            hook(patcher, importlib.import_module(module_name))
+    topology = Topology.parse(topology_spec)
+    with topology.world(cpu_compat=False):
+        from megatron.core import parallel_state
+
+        model = models.build_model(SPEC, topology)[0]
+        if strip_norm_tags:
+            for name, parameter in model.named_parameters():
+                if name.endswith("layernorm.weight"):
+                    del parameter.sequence_parallel
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+        generator = torch.Generator().manual_seed(5)
+        tokens = torch.randint(0, SPEC.vocab_size, (2, SPEC.seq_length), generator=generator)
+        positions = torch.arange(SPEC.seq_length).unsqueeze(0).expand(2, -1)
+        loss_weights = torch.randn(2, SPEC.seq_length, SPEC.vocab_size, generator=generator)
+        logits = ddp(tokens, positions, None)  # vocab-parallel [b, s, V/tp]
+        vocab_shard = shards.Shard("logits", 2, parallel_state.get_tensor_model_parallel_rank(), topology.tp)
+        (logits * vocab_shard.take(loss_weights)).sum().backward()
+        finalize_model_grads([ddp])
+        return shards.canonical_items([ddp], select=lambda parameter: parameter.main_grad)
+
+
+def _grad_errors(rank_items, reference):
+    grads = assemble_logical(rank_items, logical_shapes(SPEC))
+    return {name: ((grads[name] - reference[name]).norm() / reference[name].norm()).item() for name in reference}
+
+
+@pytest.fixture(scope="module")
+def world1_grads():
+    return assemble_logical(run_world(tp2_sp_grads, 1, args=("tp1",), name="tp1"), logical_shapes(SPEC))
+
+
+def test_tp2_sp_grads_equal_world1_and_need_the_norm_tag(world1_grads):
+    errors = _grad_errors(run_world(tp2_sp_grads, 2, args=("tp2-sp",), name="tp2-sp"), world1_grads)
+    assert max(errors.values()) < 1e-5, errors
+    untagged = _grad_errors(
+        run_world(tp2_sp_grads, 2, args=("tp2-sp",), kwargs={"strip_norm_tags": True}, name="tp2-sp"), world1_grads
+    )
+    norm_errors = [error for name, error in untagged.items() if name.endswith("layernorm.weight")]
+    assert min(norm_errors) > 1e-2, untagged  # each rank kept only its sequence shard's norm grad
+
+
+def test_tp2_sp_fails_without_the_torch_norm_fix():
+    with pytest.raises(WorldError, match="sequence parallel not supported by torch"):
+        run_world(
+            tp2_sp_grads, 2, args=("tp2-sp",), kwargs={"skip_hook": "megatron.core.transformer.torch_norm"}, name="tp2-sp"
+        )
