@@ -1,7 +1,8 @@
 """LoRA on real Megatron Column/RowParallelLinear (gloo, CPU) equals the dense world-size-1 math.
 
 Forward outputs, input grads and A / B grads of every rank are compared with
-`x W^T + b + s x A^T B^T` recomputed densely from the logical tensors (fp32, 1e-5).
+`x W^T + b + s x A^T B^T` recomputed densely from the logical tensors (fp32: max-abs
+error relative to the reference's largest magnitude below 1e-6; measured <= ~3e-7).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from megatron_lora_patch.testing.topology import Topology
 
 import lora_layer_worker
 
-TOLERANCE = 1e-5
+TOLERANCE = 1e-6
 
 CASES = [
     ("tp1", False, "keep"),
