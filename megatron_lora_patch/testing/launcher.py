@@ -360,6 +360,13 @@ def _rank_main(payload: bytes, env: dict[str, str], conn: Any, parent_pid: int, 
         message = ("error", traceback.format_exc())
     conn.send(message)
     conn.close()
+    # Skip interpreter teardown (seconds once torch and Megatron are loaded): the message is
+    # already in the pipe, so only buffered output needs flushing.
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def _die_with_parent(parent_pid: int) -> None:
