@@ -86,6 +86,7 @@ class Runtime:
         self._watched: set[str] = set()
         self._strict = False
         self._warned: set[str] = set()
+        self._explicit: dict[str, bool] = {}  # `enable` choices of earlier apply calls (sticky until revert)
         self._lock = threading.RLock()
 
     # -- public ---------------------------------------------------------------------
@@ -98,6 +99,8 @@ class Runtime:
         """Load plugins (argument, else MEGATRON_PLUGINS), resolve flags, apply what is on.
 
         Idempotent: an applied patch is never applied twice; a patch turned off here is reverted.
+        `enable` choices add to those of earlier calls (until `revert`), so a later plain
+        `apply()` does not silently turn off what an earlier call turned on.
         """
         with self._lock:
             names = list(plugins) if plugins is not None else flags.requested_plugins()
@@ -109,9 +112,11 @@ class Runtime:
             for name in names:
                 self._load_plugin(name)
             self._collect_patches()
+            explicit = {**self._explicit, **(enable or {})}
             decisions = flags.resolve_enabled(
-                {name: record.spec.default for name, record in self._records.items()}, enable
+                {name: record.spec.default for name, record in self._records.items()}, explicit
             )
+            self._explicit = explicit
             for name, (enabled, source) in decisions.items():
                 record = self._records[name]
                 if record.enabled and not enabled:
@@ -146,6 +151,7 @@ class Runtime:
                 record = self._records[name]
                 self._revert(record, "reverted")
                 record.enabled = False
+                self._explicit.pop(name, None)
             self._warned.clear()  # a re-applied patch reports its problems again
             return self.status()
 

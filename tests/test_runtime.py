@@ -50,6 +50,8 @@ def test_default_off_patch_is_disabled_until_enabled(target, fresh):
     rows = fresh.apply(["demo"], enable={"demo_optional": True})
     assert states(rows)["demo_optional"] == "applied"
     assert target.farewell() == "BYE"
+    fresh.apply(["demo"])  # explicit choices stick: a plain apply keeps it on
+    assert target.farewell() == "BYE"
     fresh.apply(["demo"], enable={"demo_optional": False})  # turned off again: reverted
     assert target.farewell is original
 
