@@ -61,6 +61,25 @@ def apply_revert_round_trip(rank, world_size):
     return unchanged_while_applied, not_restored, on_host, during[("torch", "function modes")]
 
 
+def apply_before_import_round_trip(rank, world_size):
+    """Apply first, then import Megatron (re-exports copy wrappers), revert: no wrapper may remain."""
+    import wrapt
+
+    import megatron_lora_patch
+
+    current_device = torch.cuda.current_device
+    megatron_lora_patch.apply(plugins=["lora_correct"], enable=ONLY_CPU_COMPAT, strict=True)
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
+    import megatron.core.transformer.torch_norm  # noqa: F401
+
+    wrapped_while_applied = sum(isinstance(value, wrapt.FunctionWrapper) for value in _snapshot().values())
+    megatron_lora_patch.revert()
+    after = _snapshot()
+    left_wrapped = [key for key, value in after.items() if isinstance(value, wrapt.FunctionWrapper)]
+    return wrapped_while_applied, left_wrapped, torch.cuda.current_device is current_device, after["torch", "function modes"]
+
+
 def skipped_when_cuda_is_available(rank, world_size):
     import megatron.core.tensor_parallel  # noqa: F401
 
@@ -77,6 +96,14 @@ def test_revert_restores_every_patched_attribute():
     unchanged, not_restored, on_host, modes = run_world(apply_revert_round_trip, 1, name="tp1")[0]
     assert unchanged == [] and not_restored == []
     assert on_host == (torch.device("cpu"),) * 3 and modes == 1
+
+
+def test_revert_after_import_while_applied_leaves_no_wrapper():
+    wrapped_while_applied, left_wrapped, current_device_restored, modes = run_world(
+        apply_before_import_round_trip, 1, name="tp1"
+    )[0]
+    assert wrapped_while_applied >= 10  # the re-exports copied the wrappers
+    assert left_wrapped == [] and current_device_restored and modes == 0
 
 
 def test_does_nothing_when_cuda_is_available():
