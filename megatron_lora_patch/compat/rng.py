@@ -55,16 +55,19 @@ def make_fork_host_state(default_name: str):
     def fork(tracker, name=default_name):
         if name not in tracker.states_:
             raise Exception(f"cuda rng state {name} is not added")
+        # Megatron 0.14+ tracks the active state name (nested forks); 0.13 has no such field.
+        tracks_names = hasattr(tracker, "_current_state_name")
         outer_state = torch.get_rng_state()
-        outer_name = tracker._current_state_name
+        outer_name = tracker._current_state_name if tracks_names else "default-rng"
         if outer_name != "default-rng":
             tracker.states_[outer_name] = outer_state
         torch.set_rng_state(tracker.states_[name])
-        tracker._current_state_name = name
+        if tracks_names:
+            tracker._current_state_name = name
         try:
             yield
         finally:
-            if tracker._current_state_name != name:
+            if tracks_names and tracker._current_state_name != name:
                 raise Exception(
                     f"current state name {tracker._current_state_name} is not the same as "
                     f"the desired state name {name}."
@@ -73,7 +76,8 @@ def make_fork_host_state(default_name: str):
             if outer_name != "default-rng":
                 outer_state = tracker.states_[outer_name]
             torch.set_rng_state(outer_state)
-            tracker._current_state_name = outer_name
+            if tracks_names:
+                tracker._current_state_name = outer_name
 
     def fork_host_state(wrapped, tracker, args, kwargs):
         return fork(tracker, *args, **kwargs)
