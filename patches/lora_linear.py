@@ -9,6 +9,9 @@ Two targets:
   then) and the base model is frozen, so an unchanged model provider trains LoRA only.
   Configuration: `megatron_lora_patch.lora.config.set_active(...)` or the
   `MEGATRON_LORA_*` environment variables.
+- `megatron.core.transformer.transformer_block`: under full activation recompute the
+  checkpointed layers get an input that requires grad, else the frozen embedding
+  leaves them without any gradient (see `megatron_lora_patch.lora.recompute`).
 
 Transformer Engine linears are not adapted yet: with TE specs the targets match no
 Megatron linear and attaching fails with the list of layers that exist.
@@ -41,12 +44,19 @@ def _patch_gpt_model(patcher, gpt_model) -> None:
     patcher.wrap(gpt_model.GPTModel, "__init__", _attach_after_init)
 
 
+def _patch_transformer_block(patcher, transformer_block) -> None:
+    from megatron_lora_patch.lora.recompute import checkpointed_forward
+
+    patcher.wrap(transformer_block.TransformerBlock, "_checkpointed_forward", checkpointed_forward)
+
+
 SPEC = PatchSpec(
     name="lora_linear",
     summary="LoRA adapters on Column/RowParallelLinear riding the base layer's collectives; base frozen",
     hooks={
         "megatron.core.tensor_parallel.layers": _patch_layers,
         "megatron.core.models.gpt.gpt_model": _patch_gpt_model,
+        "megatron.core.transformer.transformer_block": _patch_transformer_block,
     },
     versions=">=0.13,<0.17",
     default=True,
@@ -56,5 +66,6 @@ SPEC = PatchSpec(
         "megatron.core.tensor_parallel.layers:ColumnParallelLinear.forward",
         "megatron.core.tensor_parallel.layers:RowParallelLinear.forward",
         "megatron.core.models.gpt.gpt_model:GPTModel.__init__",
+        "megatron.core.transformer.transformer_block:TransformerBlock._checkpointed_forward",
     ),
 )

@@ -70,7 +70,7 @@ class LoraAdapter(torch.nn.Module):
         self.A = torch.nn.Parameter(local_a.to(device=weight.device, dtype=weight.dtype))
         self.B = torch.nn.Parameter(local_b.to(device=weight.device, dtype=weight.dtype))
 
-        is_expert = bool(layer.is_expert)
+        self.is_expert = is_expert = bool(layer.is_expert)
         sharded_factor, sharded_dim = ("B", 0) if parallel_mode == "column" else ("A", 1)
         for factor, param in (("A", self.A), ("B", self.B)):
             replicated = factor != sharded_factor
@@ -96,38 +96,66 @@ class LoraAdapter(torch.nn.Module):
             f"A={tuple(self.A.shape)}, B={tuple(self.B.shape)}"
         )
 
-    def _drop(self, activation: torch.Tensor) -> torch.Tensor:
-        return F.dropout(activation, self.dropout, self.training) if self.dropout else activation
+    def _training_dropout(self) -> bool:
+        return bool(self.dropout) and self.training
+
+    def column_mask(self, total_input: torch.Tensor) -> Optional[torch.Tensor]:
+        """Dropout keep-mask of the column input, or None when dropout is off.
+
+        That input is replicated over TP (expert-TP), so every rank must draw the same
+        mask. Not from the default generator: under sequence parallelism Megatron runs
+        the whole decoder inside the TP-rank-specific tracker fork, so the default
+        generator differs per TP rank there. Megatron's tracker state
+        "data-parallel-rng" is seeded with the plain seed on every rank.
+        """
+        if not self._training_dropout():
+            return None
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_data_parallel_rng_tracker_name
+
+        with get_cuda_rng_tracker().fork(get_data_parallel_rng_tracker_name()):
+            return _keep_mask(total_input, self.dropout)
+
+    def row_mask(self, local_input: torch.Tensor) -> Optional[torch.Tensor]:
+        """Dropout keep-mask of the row input (a TP shard), or None when dropout is off.
+
+        Each rank draws its own mask, from Megatron's model-parallel tracker state
+        (expert-parallel state for experts), seeded per TP (expert-TP) rank, as Megatron
+        does for dropout on TP-sharded activations.
+        """
+        if not self._training_dropout():
+            return None
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
+        tracker = get_cuda_rng_tracker()
+        with tracker.fork(get_expert_parallel_rng_tracker_name()) if self.is_expert else tracker.fork():
+            return _keep_mask(local_input, self.dropout)
 
     def column_term(self, total_input: torch.Tensor, local_input: Optional[torch.Tensor]) -> torch.Tensor:
         """`s * dropout(x) A^T B_shard^T` on the (gathered / copied) input of the base matmul.
 
-        The input is replicated over TP, so dropout uses the default generator, which
-        Megatron seeds alike on every TP rank (the same mask everywhere). With
-        `local_input` given (sequence parallel, `sp_input="regather"`), backward keeps
-        only that local shard and all-gathers it again for dA.
+        With `local_input` given (sequence parallel, `sp_input="regather"`), backward
+        keeps only that local shard and all-gathers it again for dA.
         """
+        mask = self.column_mask(total_input)
         if local_input is None:
-            hidden = F.linear(self._drop(total_input), self.A)
+            hidden = F.linear(_apply_mask(total_input, mask, self.dropout), self.A)
         else:
-            mask = None
-            if self.dropout and self.training:
-                mask = torch.empty_like(total_input, dtype=torch.bool).bernoulli_(1.0 - self.dropout)
             hidden = _DownProjectionRegather.apply(total_input, self.A, local_input, mask, self.dropout, self.tp_group)
         return self.scale * F.linear(hidden, self.B)
 
     def row_term(self, local_input: torch.Tensor) -> torch.Tensor:
-        """`s * dropout(x_shard) A_shard^T B^T`: this rank's partial sum of the LoRA output.
+        """`s * dropout(x_shard) A_shard^T B^T`: this rank's partial sum of the LoRA output."""
+        dropped = _apply_mask(local_input, self.row_mask(local_input), self.dropout)
+        return self.scale * F.linear(F.linear(dropped, self.A), self.B)
 
-        The input is sharded over TP, so each rank draws its own dropout mask inside
-        Megatron's model-parallel RNG tracker (as Megatron does for TP-sharded dropout).
-        """
-        if self.dropout and self.training:
-            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-            with get_cuda_rng_tracker().fork():
-                local_input = self._drop(local_input)
-        return self.scale * F.linear(F.linear(local_input, self.A), self.B)
+def _keep_mask(activation: torch.Tensor, dropout: float) -> torch.Tensor:
+    return torch.empty_like(activation, dtype=torch.bool).bernoulli_(1.0 - dropout)
+
+
+def _apply_mask(activation: torch.Tensor, mask: Optional[torch.Tensor], dropout: float) -> torch.Tensor:
+    """Inverted dropout with a given keep-mask (None: no dropout)."""
+    return activation if mask is None else activation * mask / (1.0 - dropout)
 
 
 class _DownProjectionRegather(torch.autograd.Function):
@@ -141,11 +169,9 @@ class _DownProjectionRegather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, total, lora_a, local, mask, dropout, group):
-        keep_scale = 1.0 / (1.0 - dropout) if mask is not None else 1.0
-        dropped = total * mask * keep_scale if mask is not None else total
         ctx.save_for_backward(local, lora_a, mask)
-        ctx.keep_scale, ctx.group = keep_scale, group
-        return F.linear(dropped, lora_a)
+        ctx.dropout, ctx.group = dropout, group
+        return F.linear(_apply_mask(total, mask, dropout), lora_a)
 
     @staticmethod
     def backward(ctx, grad_hidden):
@@ -153,9 +179,7 @@ class _DownProjectionRegather(torch.autograd.Function):
 
         local, lora_a, mask = ctx.saved_tensors
         total = _gather_along_first_dim(local, ctx.group)
-        grad_total = grad_hidden.matmul(lora_a)
-        if mask is not None:
-            total = total * mask * ctx.keep_scale
-            grad_total = grad_total * mask * ctx.keep_scale
+        total = _apply_mask(total, mask, ctx.dropout)
+        grad_total = _apply_mask(grad_hidden.matmul(lora_a), mask, ctx.dropout)
         grad_a = grad_hidden.reshape(-1, grad_hidden.shape[-1]).t().matmul(total.reshape(-1, total.shape[-1]))
         return grad_total, grad_a, None, None, None, None
