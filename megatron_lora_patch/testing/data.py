@@ -1,0 +1,103 @@
+"""Deterministic synthetic data, split over DP / microbatches / CP exactly as Megatron-LM splits it.
+
+The global batch is a pure function of its seed and shape, so every rank of every
+topology (and the world-size-1 reference) sees the same logical samples. Loss masks
+mask a different fraction of every sample (one sample almost entirely), so trainable
+token counts differ per DP rank and per microbatch: the property that separates
+global token normalization from a mean of per-rank means.
+
+Splitting mirrors Megatron-LM:
+- DP: `MegatronPretrainingSampler` reads the sample stream in groups of
+  `micro_batch_size * dp`; DP rank r takes the r-th `micro_batch_size` slice of each
+  group. So microbatch m of DP rank r holds global samples
+  `[(m*dp + r)*mbs, (m*dp + r + 1)*mbs)` (interleaved, not one contiguous block per rank).
+- CP: `megatron.core.utils.get_batch_on_this_cp_rank` (load-balanced 2*cp chunks),
+  called directly so the chunking is Megatron's own.
+- SP is done inside the model (the embedding output is scattered over TP).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+Batch = Dict[str, torch.Tensor]
+
+#: Fractions of each sample's tokens masked out of the loss, cycled over the global
+#: batch. 0.9 guarantees one heavily masked sample; 0.0 a fully trained one.
+MASKED_FRACTIONS = (0.0, 0.9, 0.25, 0.5, 0.1, 0.75, 0.4, 0.6)
+
+
+def make_global_batch(seed: int, global_batch_size: int, seq_len: int, vocab_size: int) -> Batch:
+    """The whole step's batch: tokens, labels (next token), loss_mask, position_ids, all `[G, S]`.
+
+    Masked positions form a prefix (like an SFT prompt) whose length depends on the
+    sample index, plus a few seeded random holes, so counts vary per sample.
+    """
+    if global_batch_size < 1 or seq_len < 2 or vocab_size < 2:
+        raise ValueError(
+            f"need global_batch_size >= 1, seq_len >= 2, vocab_size >= 2; got "
+            f"{global_batch_size}, {seq_len}, {vocab_size}"
+        )
+    generator = torch.Generator().manual_seed(seed)
+    stream = torch.randint(0, vocab_size, (global_batch_size, seq_len + 1), generator=generator)
+    loss_mask = torch.ones(global_batch_size, seq_len, dtype=torch.float32)
+    for sample in range(global_batch_size):
+        fraction = MASKED_FRACTIONS[sample % len(MASKED_FRACTIONS)]
+        loss_mask[sample, : int(round(fraction * seq_len))] = 0.0
+    holes = torch.rand(global_batch_size, seq_len, generator=generator) < 0.1
+    loss_mask[holes] = 0.0
+    position_ids = torch.arange(seq_len, dtype=torch.long).unsqueeze(0).expand(global_batch_size, -1)
+    return {
+        "tokens": stream[:, :-1].contiguous(),
+        "labels": stream[:, 1:].contiguous(),
+        "loss_mask": loss_mask,
+        "position_ids": position_ids.contiguous(),
+    }
+
+
+def num_microbatches_for(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
+    """Megatron's `get_num_microbatches()`: global batch / (micro batch * DP); must divide."""
+    per_step = micro_batch_size * dp_size
+    if global_batch_size % per_step:
+        raise ValueError(
+            f"global_batch_size {global_batch_size} is not divisible by micro_batch_size * dp = "
+            f"{micro_batch_size} * {dp_size}; pick a multiple of {per_step}"
+        )
+    return global_batch_size // per_step
+
+
+def dp_rank_microbatches(
+    global_batch: Batch, dp_rank: int, dp_size: int, micro_batch_size: int
+) -> List[Batch]:
+    """The microbatches DP rank `dp_rank` consumes, in order (MegatronPretrainingSampler order)."""
+    global_batch_size = next(iter(global_batch.values())).shape[0]
+    count = num_microbatches_for(global_batch_size, micro_batch_size, dp_size)
+    microbatches = []
+    for index in range(count):
+        start = (index * dp_size + dp_rank) * micro_batch_size
+        microbatches.append(
+            {key: value[start : start + micro_batch_size].clone() for key, value in global_batch.items()}
+        )
+    return microbatches
+
+
+def cp_rank_slice(batch: Batch) -> Batch:
+    """This CP rank's load-balanced share of a microbatch, via Megatron's own function.
+
+    Needs `parallel_state` initialized; a no-op when CP is 1.
+    """
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    return get_batch_on_this_cp_rank(dict(batch))
+
+
+def cp_sequence_positions(seq_len: int) -> torch.Tensor:
+    """Which global sequence positions this CP rank holds, in its local order.
+
+    Derived by pushing `arange(seq_len)` through the same Megatron chunking, so the
+    oracle can scatter CP-local tensors back to world-1 order without re-deriving it.
+    """
+    positions = torch.arange(seq_len).unsqueeze(0)
+    return cp_rank_slice({"position_ids": positions})["position_ids"][0]

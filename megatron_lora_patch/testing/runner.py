@@ -1,0 +1,184 @@
+"""Parent side of the driver: run `train_steps` on a topology and merge the ranks into world-1 layout.
+
+`run_topology(spec, "tp2-sp", settings)` launches one gloo world (`launcher.run_world`),
+each rank running `driver.train_steps` inside `Topology.world()`; `run_jobs` runs many
+(spec, topology, settings) jobs, sharing processes between jobs of the same world size.
+`canonical_result` turns the per-rank records into the layout of the world-size-1 run (logical parameter
+names and full tensors via `testing.shards`, microbatch losses in global order), so a
+topology and the reference compare key by key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from megatron_lora_patch.testing.driver import TrainSettings, train_steps
+from megatron_lora_patch.testing.launcher import run_world
+from megatron_lora_patch.testing.topology import Topology
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One training run: a model spec on a topology with its settings."""
+
+    spec: Any
+    topology: Topology
+    settings: TrainSettings = TrainSettings()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.topology, str):
+            object.__setattr__(self, "topology", Topology.parse(self.topology))
+        spec = self.spec
+        self.topology.validate(num_experts=spec.num_experts, num_layers=spec.num_layers, seq_length=spec.seq_length)
+
+
+def _train_jobs_on_rank(rank: int, world_size: int, jobs: List[Job]) -> List[dict]:
+    """Every job in turn, each in its own gloo world + Megatron setup (imports are paid once)."""
+    records = []
+    for job in jobs:
+        with job.topology.world(seed=job.settings.seed):
+            records.append(train_steps(job.spec, job.topology, job.settings))
+    return records
+
+
+def run_jobs(jobs: Sequence[Job], *, timeout: float = DEFAULT_TIMEOUT_S) -> List[List[dict]]:
+    """Run every job; return each job's rank records (rank order), in job order.
+
+    Jobs of the same world size run one after another in one set of processes, so a
+    test matrix pays process start and `import megatron` once per world size. Each job
+    gets a fresh process group and `parallel_state`, like a fresh launch.
+    """
+    jobs = list(jobs)
+    results: List[Optional[List[dict]]] = [None] * len(jobs)
+    by_world: Dict[int, List[int]] = {}
+    for index, job in enumerate(jobs):
+        by_world.setdefault(job.topology.world_size, []).append(index)
+    for world_size, indices in by_world.items():
+        group = [jobs[index] for index in indices]
+        per_rank = run_world(
+            _train_jobs_on_rank,
+            world_size,
+            args=(group,),
+            timeout=timeout,
+            name=",".join(str(job.topology) for job in group),
+        )
+        for position, index in enumerate(indices):
+            results[index] = [rank_records[position] for rank_records in per_rank]
+    return results
+
+
+def run_topology(
+    spec,
+    topology: Union[str, Topology],
+    settings: TrainSettings = TrainSettings(),
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> List[dict]:
+    """Run `settings.steps` training steps of `spec` on `topology`; return the rank records in rank order."""
+    return run_jobs([Job(spec, topology, settings)], timeout=timeout)[0]
+
+
+def _assemble(records: List[dict], phase: str, step: Optional[int], shapes: Dict[str, tuple]) -> Dict[str, torch.Tensor]:
+    """Logical tensors of one captured phase ('grads', 'params', 'initial_params') from every rank."""
+    from megatron_lora_patch.testing.shards import assemble_logical
+
+    rank_items = []
+    for record in records:
+        tensors = record[phase] if step is None else record["steps"][step][phase]
+        rank_items.append([(record["shards"][name], tensor.float()) for name, tensor in tensors.items()])
+    present = {shard.logical_name for items in rank_items for shard, _ in items}
+    missing = present - set(shapes)
+    if missing:
+        raise KeyError(
+            f"captured parameters {sorted(missing)} have no logical shape; pass shapes= covering them "
+            "(e.g. logical_shapes(spec) extended with adapter shapes)"
+        )
+    return assemble_logical(rank_items, {name: shapes[name] for name in present})
+
+
+def _global_microbatches(records: List[dict], step: int) -> List[dict]:
+    """Per-microbatch losses in world-1 order, CP partial sums added, one TP replica read.
+
+    MegatronPretrainingSampler order: microbatch m of DP rank r is global microbatch m*dp + r.
+    """
+    merged: Dict[int, Dict[str, float]] = {}
+    for record in records:
+        coords = record["coords"]
+        if not record["is_last_stage"] or coords["tp_rank"] != 0:
+            continue
+        for local_index, entry in enumerate(record["steps"][step]["microbatches"]):
+            global_index = local_index * coords["dp_size"] + coords["dp_rank"]
+            slot = merged.setdefault(global_index, {key: 0 for key in entry})
+            for key, value in entry.items():
+                slot[key] += value
+    return [merged[index] for index in sorted(merged)]
+
+
+def _first_value(records: List[dict], step: int, key: str) -> Any:
+    for record in records:
+        value = record["steps"][step][key]
+        if value is not None:
+            return value
+    return None
+
+
+def canonical_result(records: List[dict], spec, shapes: Optional[Dict[str, tuple]] = None) -> dict:
+    """Merge rank records into the world-1 layout.
+
+    Returns {'initial_params': {logical name: tensor}, 'steps': [{'microbatches',
+    'lm_loss', 'grad_norm', 'grads', 'params'}]}; tensors are fp32, full logical shape.
+    `shapes` defaults to `models.logical_shapes(spec)`. Forward captures stay per rank
+    (their sharding depends on the module; the oracle canonicalizes them).
+    """
+    from megatron_lora_patch.testing.models import logical_shapes
+
+    shapes = shapes if shapes is not None else logical_shapes(spec)
+    steps = []
+    for step in range(len(records[0]["steps"])):
+        steps.append(
+            {
+                "microbatches": _global_microbatches(records, step),
+                "lm_loss": _first_value(records, step, "lm_loss"),
+                "grad_norm": _first_value(records, step, "grad_norm"),
+                "grads": _assemble(records, "grads", step, shapes),
+                "params": _assemble(records, "params", step, shapes),
+            }
+        )
+    return {"initial_params": _assemble(records, "initial_params", None, shapes), "steps": steps}
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| (absolute when expected is zero)."""
+    difference = torch.linalg.vector_norm((actual.double() - expected.double()).flatten())
+    scale = torch.linalg.vector_norm(expected.double().flatten())
+    return float(difference / scale) if scale > 0 else float(difference)
+
+
+def compare_results(result: dict, reference: dict) -> Dict[str, float]:
+    """Worst relative error per phase between two canonical results (same steps and names).
+
+    Phases: 'loss' (per-microbatch values), 'lm_loss', 'grad_norm', 'grads', 'params'.
+    Raises if the two do not hold the same tensors (a layout bug must not pass silently).
+    """
+    worst = {"loss": 0.0, "lm_loss": 0.0, "grad_norm": 0.0, "grads": 0.0, "params": 0.0}
+    if len(result["steps"]) != len(reference["steps"]):
+        raise ValueError(f"{len(result['steps'])} steps vs {len(reference['steps'])} in the reference")
+    for got, want in zip(result["steps"], reference["steps"]):
+        if [sorted(m) for m in got["microbatches"]] != [sorted(m) for m in want["microbatches"]]:
+            raise ValueError("microbatch losses differ in count or kind from the reference")
+        for got_mb, want_mb in zip(got["microbatches"], want["microbatches"]):
+            for key in want_mb:
+                worst["loss"] = max(worst["loss"], relative_error(torch.tensor(got_mb[key]), torch.tensor(want_mb[key])))
+        for key in ("lm_loss", "grad_norm"):
+            worst[key] = max(worst[key], relative_error(torch.tensor(got[key]), torch.tensor(want[key])))
+        for phase in ("grads", "params"):
+            if set(got[phase]) != set(want[phase]):
+                raise ValueError(f"{phase}: parameter sets differ: {sorted(set(got[phase]) ^ set(want[phase]))}")
+            for name, tensor in want[phase].items():
+                worst[phase] = max(worst[phase], relative_error(got[phase][name], tensor))
+    return worst
