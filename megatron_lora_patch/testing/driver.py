@@ -71,7 +71,6 @@ class TrainSettings:
     adam_eps: float = 1e-4
     calculate_per_token_loss: Optional[bool] = True
     loss_variant: str = PER_TOKEN
-    use_distributed_optimizer: bool = False
     finalize_model_grads_func: Union[str, Callable, None] = MEGATRON_FINALIZE
     on_model_built: Optional[Callable[[list], None]] = None
     capture: Capture = Capture()
@@ -128,7 +127,9 @@ def _wrap_like_get_model(chunks: list, settings: TrainSettings) -> list:
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=settings.use_distributed_optimizer,
+        # Megatron's distributed optimizer asserts CUDA tensors, and under it `main_grad` is
+        # only reduced on this rank's shard, so the testbed uses the plain optimizer.
+        use_distributed_optimizer=False,
         # average_in_collective is incompatible with per-token loss (DDP asserts it).
         average_in_collective=False,
     )
@@ -155,7 +156,6 @@ def _build_optimizer(chunks: list, settings: TrainSettings):
         fp16=config.fp16,
         bf16=config.bf16,
         params_dtype=config.params_dtype,
-        use_distributed_optimizer=settings.use_distributed_optimizer,
     )
     return get_megatron_optimizer(optimizer_config, chunks)
 

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
+from megatron_lora_patch.testing.data import num_microbatches_for
 from megatron_lora_patch.testing.driver import TrainSettings, train_steps
 from megatron_lora_patch.testing.launcher import run_world
 from megatron_lora_patch.testing.topology import Topology
@@ -35,14 +36,20 @@ class Job:
             object.__setattr__(self, "topology", Topology.parse(self.topology))
         spec = self.spec
         self.topology.validate(num_experts=spec.num_experts, num_layers=spec.num_layers, seq_length=spec.seq_length)
+        num_microbatches_for(self.settings.global_batch_size, self.settings.micro_batch_size, self.topology.dp)
 
 
 def _train_jobs_on_rank(rank: int, world_size: int, jobs: List[Job]) -> List[dict]:
     """Every job in turn, each in its own gloo world + Megatron setup (imports are paid once)."""
     records = []
-    for job in jobs:
-        with job.topology.world(seed=job.settings.seed):
-            records.append(train_steps(job.spec, job.topology, job.settings))
+    for index, job in enumerate(jobs):
+        try:
+            with job.topology.world(seed=job.settings.seed):
+                records.append(train_steps(job.spec, job.topology, job.settings))
+        except Exception as error:
+            if hasattr(error, "add_note"):  # Python 3.11+: name the failing job in the rank's traceback
+                error.add_note(f"in job {index} of this world: topology {job.topology}, spec {job.spec}")
+            raise
     return records
 
 
