@@ -85,7 +85,11 @@ def shard_of(chunk: torch.nn.Module, local_name: str, parameter: torch.Tensor) -
     else:
         rank = parallel_state.get_tensor_model_parallel_rank()
         size = parallel_state.get_tensor_model_parallel_world_size()
-    gated = name.endswith("linear_fc1.weight") and chunk.config.gated_linear_unit
+    # SwiGLU fc1 shards are [gate_shard; up_shard]: the base weight (by name) and any
+    # factor that declares Megatron's partition_stride 2 (the fc1 LoRA B).
+    gated = getattr(parameter, "partition_stride", 1) == 2 or (
+        name.endswith("linear_fc1.weight") and chunk.config.gated_linear_unit
+    )
     return Shard(name, parameter.partition_dim, rank, size, gated)
 
 
