@@ -167,3 +167,19 @@ def test_dp_split_follows_megatron_pretraining_sampler():
     assert torch.equal(batch["tokens"][:, 1:], batch["labels"][:, :-1])
     with pytest.raises(ValueError, match="not divisible"):
         dp_rank_microbatches(batch, dp_rank=0, dp_size=3, micro_batch_size=1)
+
+
+def cp_positions_on_rank(rank: int, world_size: int) -> list:
+    """In a cp2 world: the sequence positions this CP rank holds (Megatron's load-balanced chunking)."""
+    from megatron_lora_patch.testing.data import cp_sequence_positions
+    from megatron_lora_patch.testing.topology import Topology
+
+    with Topology.parse("cp2").world():
+        return cp_sequence_positions(8).tolist()
+
+
+def test_cp_split_is_load_balanced_2cp_chunks():
+    """CP rank r holds chunks r and 2*cp-1-r of 2*cp equal chunks (causal load balance)."""
+    from megatron_lora_patch.testing.launcher import run_world
+
+    assert run_world(cp_positions_on_rank, 2, name="cp2") == [[0, 1, 6, 7], [2, 3, 4, 5]]
