@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Optional, Sequence
 
-from megatron_lora_patch import flags
+from megatron_lora_patch import cli_export, flags
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -22,6 +22,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--no-import", action="store_true", help="do not import the target modules (states stay 'not imported yet')"
     )
     status.set_defaults(run=run_status)
+    cli_export.add_parser(commands)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

@@ -1,0 +1,190 @@
+"""LoRA adapters in Megatron distributed checkpoints (`megatron.core.dist_checkpointing`).
+
+A parallel linear's own `sharded_state_dict` sees `lora.A` / `lora.B` in its plain
+state dict and would mark both as replicated over TP. `layer_sharded_state_dict` (the
+`lora_checkpoint` patch wraps the layers' method with it) replaces those two entries with
+`adapter_sharded_state_dict`, which describes each factor the way Megatron describes the
+base weight beside it (DESIGN.md section 4):
+
+- the sharded factor (column B on dim 0, row A on dim 1) is a TP-sharded tensor with
+  replica id `(0, 0, dp_rank)`, exactly like the weight;
+- the replicated factor (column A, row B) has replica id `(0, tp_rank, dp_rank)`, so
+  only one rank of its shard domain writes it;
+- a SwiGLU fc1 B (stride 2, each shard is `[gate_shard; up_shard]`) goes through
+  Megatron's `apply_swiglu_sharded_factory`, like the fc1 weight in `MLP.sharded_state_dict`;
+- the groups are the wrapped layer's: for expert linears the expert-TP group, and
+  `SequentialMLP.sharded_state_dict` adds the expert axis and the expert-DP replica id
+  around it, as it does for the expert weights.
+
+The saved tensors are therefore the logical (world-size-1) factors, stacked over layers
+(and experts), and load onto any topology. `save_adapters` / `load_adapters` write and
+read an adapter-only checkpoint (the base weights are left out) with a description of
+the model in its common state, which `peft` export reads.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Dict, Iterable, Optional
+
+import torch
+
+from .adapter import ADAPTER_NAME, LoraAdapter
+
+#: Common-state entry of an adapter-only checkpoint: the model and LoRA description.
+DESCRIPTION_KEY = "megatron_lora_patch"
+#: Version of the description layout; bumped when its fields change meaning.
+DESCRIPTION_FORMAT = 1
+_ADAPTER_SEGMENT = f".{ADAPTER_NAME}."
+
+
+class AdapterCheckpointError(ValueError):
+    """An adapter checkpoint does not fit the model (the message is one line)."""
+
+
+def adapter_sharded_state_dict(
+    adapter: LoraAdapter, prefix: str, sharded_offsets: tuple = (), metadata: Optional[dict] = None
+) -> Dict[str, Any]:
+    """`{prefix}A` and `{prefix}B` as ShardedTensors (or a SwiGLU factory) with their true sharding."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+    from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
+
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    groups = dict(tp_group=adapter.tp_group, dp_cp_group=metadata["dp_cp_group"])
+    sharded_factor, axis = ("B", 0) if adapter.parallel_mode == "column" else ("A", 1)
+    entries: Dict[str, Any] = {}
+    for factor in ("A", "B"):
+        key, tensor = f"{prefix}{factor}", getattr(adapter, factor)
+        if factor != sharded_factor:
+            entries[key] = make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=sharded_offsets, **groups)
+            continue
+        sharded = make_tp_sharded_tensor_for_checkpoint(tensor, key, axis, prepend_offsets=sharded_offsets, **groups)
+        if getattr(tensor, "partition_stride", 1) == 2:  # SwiGLU fc1: [gate_shard; up_shard]
+            singleton = (metadata or {}).get("singleton_local_shards", False)
+            sharded = apply_swiglu_sharded_factory(sharded, sharded_offsets, singleton)
+        entries[key] = sharded
+    return entries
+
+
+def _bind_layer_arguments(method: Any, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    bound = inspect.signature(method).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound
+
+
+def layer_sharded_state_dict(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Dict[str, Any]:
+    """wrapt wrapper of Column/RowParallelLinear.sharded_state_dict: the adapter entries done right."""
+    result = wrapped(*args, **kwargs)
+    adapter = getattr(instance, "_modules", {}).get(ADAPTER_NAME)
+    if adapter is None:
+        return result
+    call = _bind_layer_arguments(wrapped, args, kwargs).arguments
+    adapter_prefix = f"{call['prefix']}{ADAPTER_NAME}."
+    for key in [key for key in result if key.startswith(adapter_prefix)]:
+        del result[key]  # Megatron's entries treat both factors as replicated
+    result.update(adapter_sharded_state_dict(adapter, adapter_prefix, call["sharded_offsets"], call["metadata"]))
+    return result
+
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a (sharded) state-dict key belongs to a LoRA adapter."""
+    return _ADAPTER_SEGMENT in key
+
+
+def adapters_of(chunks: Iterable[torch.nn.Module]) -> Dict[str, LoraAdapter]:
+    """Canonical module name -> adapter, over this rank's model chunks."""
+    found = {}
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, LoraAdapter):
+                found[module.module_name] = module
+    return found
+
+
+def _single_model(chunks: Iterable[torch.nn.Module]) -> torch.nn.Module:
+    chunks = list(chunks)
+    if len(chunks) != 1:
+        raise NotImplementedError(
+            f"adapter checkpoints take one model chunk per rank, got {len(chunks)} (virtual pipeline stages)"
+        )
+    model = chunks[0]
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module  # DDP / Float16Module wrappers
+    return model
+
+
+def adapter_only_sharded_state_dict(chunks: Iterable[torch.nn.Module]) -> Dict[str, Any]:
+    """The model's sharded state dict restricted to adapter entries (base weights left out)."""
+    model = _single_model(chunks)
+    return {key: value for key, value in model.sharded_state_dict().items() if is_adapter_key(key)}
+
+
+def describe(chunks: Iterable[torch.nn.Module]) -> Dict[str, Any]:
+    """Plain-data description of the model and its adapters (what an exporter needs besides tensors)."""
+    model = _single_model(chunks)
+    config = model.config
+    adapters = list(adapters_of([model]).values())
+    if not adapters:
+        raise AdapterCheckpointError("the model has no LoRA adapters to save; attach them first (lora_linear patch)")
+    return {
+        "format": DESCRIPTION_FORMAT,
+        "rank": adapters[0].rank,
+        "alpha": adapters[0].scale * adapters[0].rank,
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_query_groups": config.num_query_groups or config.num_attention_heads,
+        "kv_channels": config.kv_channels,
+        "gated_linear_unit": bool(config.gated_linear_unit),
+        "num_experts": config.num_moe_experts or 0,
+    }
+
+
+def save_adapters(chunks: Iterable[torch.nn.Module], directory: str) -> None:
+    """Write an adapter-only distributed checkpoint of this rank's model (collective: call on every rank)."""
+    from megatron.core import dist_checkpointing
+
+    chunks = list(chunks)
+    state = adapter_only_sharded_state_dict(chunks)
+    state[DESCRIPTION_KEY] = describe(chunks)
+    os.makedirs(directory, exist_ok=True)  # every rank: they may not share a parent process
+    dist_checkpointing.save(state, directory)
+
+
+def read_description(directory: str) -> Dict[str, Any]:
+    """The description saved by `save_adapters`, or an `AdapterCheckpointError`."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        common = dist_checkpointing.load_common_state_dict(directory)
+    except Exception as error:  # a missing / foreign directory fails in several ways
+        raise AdapterCheckpointError(f"{directory} is not a Megatron distributed checkpoint: {error}") from None
+    description = (common or {}).get(DESCRIPTION_KEY)
+    if not isinstance(description, dict) or description.get("format") != DESCRIPTION_FORMAT:
+        raise AdapterCheckpointError(
+            f"{directory} has no megatron-lora-patch adapter description (format {DESCRIPTION_FORMAT}); "
+            "write it with megatron_lora_patch.lora.checkpoint.save_adapters"
+        )
+    return description
+
+
+def load_adapters(chunks: Iterable[torch.nn.Module], directory: str) -> None:
+    """Load an adapter-only checkpoint into this rank's adapters (collective), whatever topology saved it."""
+    from megatron.core import dist_checkpointing
+
+    chunks = list(chunks)
+    saved, here = read_description(directory), describe(chunks)
+    for field in ("rank", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "num_experts"):
+        if saved[field] != here[field]:
+            raise AdapterCheckpointError(
+                f"{directory}: checkpoint {field}={saved[field]} but this model has {field}={here[field]}; "
+                f"build the model (and MEGATRON_LORA_RANK) as when it was saved"
+            )
+    sharded = adapter_only_sharded_state_dict(chunks)
+    loaded = dist_checkpointing.load(sharded, directory)
+    parameters = dict(_single_model(chunks).named_parameters())
+    with torch.no_grad():
+        for key in sharded:  # `loaded` also holds the common state (the description)
+            parameters[key].copy_(loaded[key])

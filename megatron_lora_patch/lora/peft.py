@@ -1,0 +1,261 @@
+"""Hugging Face PEFT export / import of LoRA adapters (`adapter_model.safetensors` + `adapter_config.json`).
+
+The logical (world-size-1) adapters are the source and target of both directions:
+export reads them from an adapter-only distributed checkpoint (`checkpoint.save_adapters`;
+Megatron's `dist_checkpointing` gathers the TP / EP / PP shards), import slices them
+onto this rank's adapters (any topology). Conversion, per transformer layer i:
+
+| Megatron module            | PEFT modules (Llama names)                  | how                           |
+|----------------------------|---------------------------------------------|-------------------------------|
+| self_attention.linear_qkv  | self_attn.q_proj, k_proj, v_proj            | B split from the mixed per-query-group rows (GQA); the one A copied to all three |
+| self_attention.linear_proj | self_attn.o_proj                            | as is                         |
+| mlp.linear_fc1 (SwiGLU)    | mlp.gate_proj, up_proj                      | B rows [gate; up] split; A copied |
+| mlp.linear_fc2             | mlp.down_proj                               | as is                         |
+
+PEFT's scaling `lora_alpha / r` is the adapter's `s = alpha / r`. Import refuses what a
+fused Megatron adapter cannot express (different A for q/k/v or gate/up, other shapes,
+missing or unknown modules, another r or alpha, rsLoRA / DoRA / biases), naming the module.
+Megatron experts are refused: PEFT has no per-expert layout for them (transformers keeps
+MoE experts as fused tensors, not per-expert linears).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+
+from . import layouts
+
+WEIGHTS_NAME = "adapter_model.safetensors"
+CONFIG_NAME = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+
+Logical = Dict[str, Tuple[torch.Tensor, torch.Tensor]]  # canonical module name -> (A, B)
+
+
+class PeftFormatError(ValueError):
+    """A PEFT adapter cannot be expressed as (or made from) this model's adapters; one-line message."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HfNames:
+    """Where a Hugging Face model family keeps the projections LoRA targets."""
+
+    layers: str = "model.layers"
+    attention: str = "self_attn"
+    q: str = "q_proj"
+    k: str = "k_proj"
+    v: str = "v_proj"
+    o: str = "o_proj"
+    mlp: str = "mlp"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+#: Model families whose decoder layers use these names (Llama-style; add rows for others).
+NAME_TABLE: Dict[str, HfNames] = {
+    "llama": HfNames(),
+    "mistral": HfNames(),
+    "qwen2": HfNames(),
+    "qwen3": HfNames(),
+}
+
+_LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|mlp\.linear_fc1|mlp\.linear_fc2)$")
+
+
+def names_for(family: str) -> HfNames:
+    if family not in NAME_TABLE:
+        raise PeftFormatError(f"unknown model family {family!r}; known: {', '.join(NAME_TABLE)}")
+    return NAME_TABLE[family]
+
+
+def _projections(module: str, names: HfNames, gated: bool) -> List[str]:
+    """HF module paths (inside a layer) that one Megatron module becomes, in split order."""
+    if module == "self_attention.linear_qkv":
+        return [f"{names.attention}.{p}" for p in (names.q, names.k, names.v)]
+    if module == "self_attention.linear_proj":
+        return [f"{names.attention}.{names.o}"]
+    if module == "mlp.linear_fc1":
+        if not gated:
+            raise PeftFormatError("mlp.linear_fc1 without SwiGLU has no Llama-style PEFT name; use a gated model")
+        return [f"{names.mlp}.{names.gate}", f"{names.mlp}.{names.up}"]
+    return [f"{names.mlp}.{names.down}"]
+
+
+def _split_b(module: str, b: torch.Tensor, description: dict) -> List[torch.Tensor]:
+    if module == "self_attention.linear_qkv":
+        return list(
+            layouts.qkv_mixed_to_separate(
+                b, description["num_attention_heads"], description["num_query_groups"], description["kv_channels"]
+            )
+        )
+    if module == "mlp.linear_fc1":
+        return list(layouts.fc1_to_gate_up(b))
+    return [b]
+
+
+def _join_b(module: str, parts: List[torch.Tensor], description: dict) -> torch.Tensor:
+    if module == "self_attention.linear_qkv":
+        return layouts.qkv_separate_to_mixed(*parts, description["num_query_groups"], description["kv_channels"])
+    if module == "mlp.linear_fc1":
+        return layouts.gate_up_to_fc1(*parts)
+    return parts[0]
+
+
+def _parse(name: str) -> Tuple[int, str]:
+    match = _LAYER_MODULE.match(name)
+    if match is None:
+        if ".experts." in name:
+            raise PeftFormatError(
+                f"{name}: PEFT has no per-expert LoRA layout for Megatron experts; exclude experts "
+                "(MEGATRON_LORA_EXCLUDE='*local_experts*') to export"
+            )
+        raise PeftFormatError(f"{name}: no PEFT name for this Megatron module (supported: qkv, proj, fc1, fc2)")
+    return int(match.group(1)), match.group(2)
+
+
+def to_peft(logical: Logical, description: dict, family: str = "llama") -> Tuple[Dict[str, torch.Tensor], dict]:
+    """PEFT tensors (sorted by name, contiguous) and adapter config for the logical adapters."""
+    names = names_for(family)
+    tensors: Dict[str, torch.Tensor] = {}
+    short_names, paths = set(), []
+    layer_modules: Dict[str, set] = {}
+    for name, (lora_a, lora_b) in logical.items():
+        layer, module = _parse(name)
+        projections = _projections(module, names, description["gated_linear_unit"])
+        for projection, part in zip(projections, _split_b(module, lora_b, description)):
+            path = f"{names.layers}.{layer}.{projection}"
+            # A copy per projection: PEFT has one A per module, safetensors refuses shared storage.
+            tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"] = lora_a.clone().contiguous()
+            tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = part.contiguous()
+            short_names.add(projection.rsplit(".", 1)[-1])
+            layer_modules.setdefault(projection, set()).add(layer)
+            paths.append(path)
+    every_layer = set(range(description["num_layers"]))
+    # Short names adapt every layer in PEFT; list full paths when some layers have no adapter.
+    complete = all(layers == every_layer for layers in layer_modules.values())
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": description["rank"],
+        "lora_alpha": description["alpha"],
+        "lora_dropout": 0.0,
+        "target_modules": sorted(short_names) if complete else sorted(paths),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+        "base_model_name_or_path": None,
+        "megatron_lora_patch": {"family": family},
+    }
+    return dict(sorted(tensors.items())), config
+
+
+def from_peft(
+    tensors: Dict[str, torch.Tensor], config: dict, description: dict, expected: Iterable[str], where: str = "PEFT adapter"
+) -> Logical:
+    """The logical adapters of the modules named in `expected`, from PEFT tensors and config (exact inverse of `to_peft`)."""
+    _check_config(config, description, where)
+    family = (config.get("megatron_lora_patch") or {}).get("family", "llama")
+    names = names_for(family)
+    layer_paths = {}
+    for name in expected:
+        layer, module = _parse(name)
+        layer_paths[name] = (module, [f"{names.layers}.{layer}.{p}" for p in _projections(module, names, description["gated_linear_unit"])])
+    known = {
+        f"{PEFT_PREFIX}{path}.lora_{factor}.weight"
+        for _, paths in layer_paths.values()
+        for path in paths
+        for factor in ("A", "B")
+    }
+    for key in tensors:
+        if key not in known:
+            raise PeftFormatError(f"{where}: {key} is not a module this model adapts (unsupported or not targeted)")
+    logical: Logical = {}
+    for name, (module, paths) in layer_paths.items():
+        a_parts, b_parts = [], []
+        for path in paths:
+            for factor, parts in (("A", a_parts), ("B", b_parts)):
+                key = f"{PEFT_PREFIX}{path}.lora_{factor}.weight"
+                if key not in tensors:
+                    raise PeftFormatError(f"{where}: missing {key} (needed for Megatron {name})")
+                parts.append(tensors[key])
+        for path, a in zip(paths[1:], a_parts[1:]):
+            if a.shape != a_parts[0].shape or not torch.equal(a, a_parts[0]):
+                raise PeftFormatError(
+                    f"{where}: {path} has a different lora_A than {paths[0]}; the fused Megatron {name} "
+                    "has one A for all its projections, so this adapter cannot be expressed"
+                )
+        try:
+            lora_b = _join_b(module, b_parts, description)
+        except (RuntimeError, ValueError):
+            raise PeftFormatError(f"{where}: lora_B shapes {[tuple(b.shape) for b in b_parts]} of {paths} do not fit Megatron {name}") from None
+        logical[name] = (a_parts[0], lora_b)
+    return logical
+
+
+def _check_config(config: dict, description: dict, where: str) -> None:
+    if config.get("peft_type") != "LORA":
+        raise PeftFormatError(f"{where}: peft_type is {config.get('peft_type')!r}, only 'LORA' is supported")
+    for flag in ("use_rslora", "use_dora", "fan_in_fan_out"):
+        if config.get(flag):
+            raise PeftFormatError(f"{where}: {flag}=true is not supported by Megatron LoRA adapters")
+    if config.get("bias", "none") != "none":
+        raise PeftFormatError(f"{where}: bias={config['bias']!r} is not supported (LoRA adapters have no bias)")
+    if config.get("r") != description["rank"]:
+        raise PeftFormatError(
+            f"{where}: r={config.get('r')} but the model's adapters have rank {description['rank']}; "
+            f"build them with MEGATRON_LORA_RANK={config.get('r')}"
+        )
+    alpha = config.get("lora_alpha")
+    if not isinstance(alpha, (int, float)) or float(alpha) != float(description["alpha"]):
+        raise PeftFormatError(
+            f"{where}: lora_alpha={alpha} but the model's adapters have alpha {description['alpha']}; "
+            f"build them with MEGATRON_LORA_ALPHA={alpha}"
+        )
+
+
+def check_shapes(logical: Logical, shapes: Dict[str, Tuple[tuple, tuple]], where: str) -> None:
+    """Every logical factor has the model's shape for it (`shapes`: name -> (A shape, B shape))."""
+    for name, (lora_a, lora_b) in logical.items():
+        want_a, want_b = shapes[name]
+        if tuple(lora_a.shape) != tuple(want_a) or tuple(lora_b.shape) != tuple(want_b):
+            raise PeftFormatError(
+                f"{where}: Megatron {name} needs A {tuple(want_a)} and B {tuple(want_b)}, the adapter gives "
+                f"A {tuple(lora_a.shape)} and B {tuple(lora_b.shape)}"
+            )
+
+
+def write(out_dir: str, tensors: Dict[str, torch.Tensor], config: dict) -> None:
+    """Write `adapter_model.safetensors` and `adapter_config.json` (deterministic bytes)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, CONFIG_NAME), "w") as handle:
+        json.dump(config, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+
+
+def read(peft_dir: str) -> Tuple[Dict[str, torch.Tensor], dict]:
+    """PEFT tensors and config from a directory, or a one-line `PeftFormatError`."""
+    from safetensors.torch import load_file
+
+    weights, config_path = os.path.join(peft_dir, WEIGHTS_NAME), os.path.join(peft_dir, CONFIG_NAME)
+    for path in (weights, config_path):
+        if not os.path.isfile(path):
+            raise PeftFormatError(f"{peft_dir}: no {os.path.basename(path)}; expected a PEFT LoRA adapter directory")
+    try:
+        with open(config_path) as handle:
+            config = json.load(handle)
+    except ValueError as error:
+        raise PeftFormatError(f"{config_path}: invalid JSON: {error}") from None
+    return load_file(weights), config
+

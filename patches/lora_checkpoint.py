@@ -1,0 +1,34 @@
+"""`lora_checkpoint`: adapters in Megatron distributed checkpoints with their true sharding.
+
+`ColumnParallelLinear.sharded_state_dict` / `RowParallelLinear.sharded_state_dict` build
+their entries from the layer's plain state dict, which includes the adapter's `lora.A` /
+`lora.B` and marks both replicated over TP; half of them are TP shards. The wrapper
+replaces those two entries with `megatron_lora_patch.lora.checkpoint.adapter_sharded_state_dict`
+(sharded factor like the weight, SwiGLU fc1 B through Megatron's swiglu factory,
+replicated factor with a TP replica id), so `dist_checkpointing.save` / `load` reshard
+adapters across TP / EP / PP / DP. Layers without an adapter are untouched.
+"""
+
+from __future__ import annotations
+
+from megatron_lora_patch.patching import PatchSpec
+
+
+def _patch_layers(patcher, layers) -> None:
+    from megatron_lora_patch.lora.checkpoint import layer_sharded_state_dict
+
+    patcher.wrap(layers.ColumnParallelLinear, "sharded_state_dict", layer_sharded_state_dict)
+    patcher.wrap(layers.RowParallelLinear, "sharded_state_dict", layer_sharded_state_dict)
+
+
+SPEC = PatchSpec(
+    name="lora_checkpoint",
+    summary="LoRA adapters in dist checkpoints: sharded factor like the weight, replicated factor with TP replica ids",
+    hooks={"megatron.core.tensor_parallel.layers": _patch_layers},
+    versions=">=0.13,<0.17",
+    default=True,
+    targets=(
+        "megatron.core.tensor_parallel.layers:ColumnParallelLinear.sharded_state_dict",
+        "megatron.core.tensor_parallel.layers:RowParallelLinear.sharded_state_dict",
+    ),
+)

@@ -1,0 +1,74 @@
+"""A `transformers` LlamaForCausalLM holding the testbed's logical base weights (the external reference).
+
+The testbed model is Llama-shaped: RMSNorm (Megatron's default eps 1e-5), GQA, SwiGLU,
+RoPE (base 10000, rotate-half), no linear biases, untied embeddings. Its weights map
+to HF names with the qkv rows split out of Megatron's per-query-group layout and fc1
+split into gate / up; a wrong split shows up as a logits mismatch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lora_patch.lora.layouts import fc1_to_gate_up, qkv_mixed_to_separate
+from megatron_lora_patch.testing.models import TinyGPTSpec, logical_state_dict
+
+MEGATRON_NORM_EPS = 1e-5  # TransformerConfig.layernorm_epsilon default
+MEGATRON_ROTARY_BASE = 10000.0  # GPTModel rotary_base default
+
+
+def hf_state_dict(spec: TinyGPTSpec, seed: int) -> dict:
+    weights = logical_state_dict(spec, seed)
+    out = {
+        "model.embed_tokens.weight": weights["embedding.word_embeddings.weight"],
+        "model.norm.weight": weights["decoder.final_layernorm.weight"],
+        "lm_head.weight": weights["output_layer.weight"],
+    }
+    for layer in range(spec.num_layers):
+        src, dst = f"decoder.layers.{layer}.", f"model.layers.{layer}."
+        q, k, v = qkv_mixed_to_separate(
+            weights[src + "self_attention.linear_qkv.weight"], spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
+        )
+        gate, up = fc1_to_gate_up(weights[src + "mlp.linear_fc1.weight"])
+        out.update(
+            {
+                dst + "input_layernorm.weight": weights[src + "input_layernorm.weight"],
+                dst + "post_attention_layernorm.weight": weights[src + "pre_mlp_layernorm.weight"],
+                dst + "self_attn.q_proj.weight": q,
+                dst + "self_attn.k_proj.weight": k,
+                dst + "self_attn.v_proj.weight": v,
+                dst + "self_attn.o_proj.weight": weights[src + "self_attention.linear_proj.weight"],
+                dst + "mlp.gate_proj.weight": gate,
+                dst + "mlp.up_proj.weight": up,
+                dst + "mlp.down_proj.weight": weights[src + "mlp.linear_fc2.weight"],
+            }
+        )
+    return out
+
+
+def llama_for(spec: TinyGPTSpec, seed: int):
+    """LlamaForCausalLM (fp32, eager attention, eval mode) with the logical base weights of (spec, seed)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.ffn_hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_query_groups,
+        head_dim=spec.kv_channels,
+        max_position_embeddings=spec.seq_length,
+        rms_norm_eps=MEGATRON_NORM_EPS,
+        rope_parameters={"rope_type": "default", "rope_theta": MEGATRON_ROTARY_BASE},
+        tie_word_embeddings=spec.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        attn_implementation="eager",
+        torch_dtype=torch.float32,
+    )
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(hf_state_dict(spec, seed), strict=False)
+    assert not unexpected and all("rotary" in name for name in missing), (missing, unexpected)
+    return model.eval()

@@ -1,0 +1,200 @@
+"""Rank-side code of the persistence tests: tiny GPT models with adapters, saved / loaded / exported.
+
+Ranks return their local adapter shards with where they sit (`local_adapters`); the
+parent rebuilds the logical adapters with `assemble` (layouts.unshard: an independent
+path from the checkpoint code) and compares them with `expected_logical`, the logical
+init of `lora.init.logical_factors` (no world involved).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron_lora_patch.lora.config import LoraConfig
+
+PATCHES = ("cpu_compat", "lora_linear", "lora_checkpoint")
+
+
+def lora_config(seed: int, rank: int = 4) -> LoraConfig:
+    """Non-zero B so a wrong slice of either factor changes values."""
+    return LoraConfig(rank=rank, alpha=8.0, b_init="nonzero", seed=seed)
+
+
+def setup(config: LoraConfig, patches=PATCHES) -> None:
+    """Only the given patches on (the persistence tests see no other); adapters from `config`."""
+    import megatron_lora_patch
+    from megatron_lora_patch.lora.config import set_active
+    from megatron_lora_patch.plugin import PATCH_MODULES
+
+    megatron_lora_patch.apply(plugins=["lora_correct"], enable={name: name in patches for name in PATCH_MODULES})
+    set_active(config)
+
+
+def local_adapters(chunks) -> List[dict]:
+    """Every local adapter's shard and position, as picklable data."""
+    from megatron.core.utils import get_pg_rank, get_pg_size
+
+    from megatron_lora_patch.lora.checkpoint import adapters_of
+
+    return [
+        {
+            "name": name,
+            "mode": adapter.parallel_mode,
+            "tp_rank": get_pg_rank(adapter.tp_group),
+            "tp_size": get_pg_size(adapter.tp_group),
+            "stride": getattr(adapter.B if adapter.parallel_mode == "column" else adapter.A, "partition_stride", 1),
+            "A": adapter.A.detach().clone(),
+            "B": adapter.B.detach().clone(),
+        }
+        for name, adapter in adapters_of(chunks).items()
+    ]
+
+
+def assemble(rank_results: List[List[dict]]) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """Logical (A, B) per module from all ranks' `local_adapters`; replicas must agree bitwise."""
+    from megatron_lora_patch.lora.layouts import unshard
+
+    by_name: Dict[str, Dict[int, dict]] = {}
+    for entries in rank_results:
+        for entry in entries:
+            replicas = by_name.setdefault(entry["name"], {})
+            if entry["tp_rank"] in replicas:
+                seen = replicas[entry["tp_rank"]]
+                assert torch.equal(seen["A"], entry["A"]) and torch.equal(seen["B"], entry["B"]), entry["name"]
+            replicas[entry["tp_rank"]] = entry
+    logical = {}
+    for name, replicas in by_name.items():
+        shards = [replicas[r] for r in range(len(replicas))]
+        first = shards[0]
+        assert len(shards) == first["tp_size"], f"{name}: got TP ranks {sorted(replicas)} of {first['tp_size']}"
+        if first["mode"] == "column":
+            for entry in shards[1:]:
+                assert torch.equal(entry["A"], first["A"]), f"{name}: replicated A differs over TP"
+            logical[name] = (first["A"], unshard([s["B"] for s in shards], 0, first["stride"]))
+        else:
+            for entry in shards[1:]:
+                assert torch.equal(entry["B"], first["B"]), f"{name}: replicated B differs over TP"
+            logical[name] = (unshard([s["A"] for s in shards], 1), first["B"])
+    return logical
+
+
+def expected_logical(spec, config: LoraConfig, names) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """The logical init of every adapter name, from (seed, name, expert) alone."""
+    from megatron_lora_patch.lora.init import logical_factors
+
+    hidden, kv = spec.hidden_size, spec.kv_channels
+    sizes = {
+        "linear_qkv": (hidden, (spec.num_attention_heads + 2 * spec.num_query_groups) * kv),
+        "linear_proj": (spec.num_attention_heads * kv, hidden),
+        "linear_fc1": (hidden, 2 * (spec.expert_ffn_hidden_size if spec.is_moe else spec.ffn_hidden_size)),
+        "linear_fc2": (spec.expert_ffn_hidden_size if spec.is_moe else spec.ffn_hidden_size, hidden),
+    }
+    result = {}
+    for name in names:
+        expert = int(name.split("local_experts.")[1].split(".")[0]) if "local_experts." in name else None
+        in_size, out_size = sizes[name.rsplit(".", 1)[-1]]
+        result[name] = logical_factors(config, name, expert, in_size, out_size)
+    return result
+
+
+def save_world(rank: int, world: int, topology: str, spec, seed: int, directory: str, patches=PATCHES) -> List[dict]:
+    """Build with adapters of `seed`, write an adapter-only checkpoint; return the local adapters."""
+    from megatron_lora_patch.lora.checkpoint import save_adapters
+    from megatron_lora_patch.testing.models import build_model
+    from megatron_lora_patch.testing.topology import Topology
+
+    setup(lora_config(seed), patches)
+    with Topology.parse(topology).world():
+        chunks = build_model(spec, Topology.parse(topology))
+        save_adapters(chunks, directory)
+        return local_adapters(chunks)
+
+
+def load_world(rank: int, world: int, topology: str, spec, directories: List[str], bad_rank_dir: Optional[str] = None):
+    """Build with other adapters (seed 999), load each checkpoint; return local adapters per checkpoint.
+
+    With `bad_rank_dir`, also load that checkpoint into rank-8 adapters and return the error text.
+    """
+    from megatron_lora_patch.lora.checkpoint import load_adapters
+    from megatron_lora_patch.lora.config import set_active
+    from megatron_lora_patch.testing.models import build_model
+    from megatron_lora_patch.testing.topology import Topology
+
+    setup(lora_config(999))
+    loaded, error = [], None
+    with Topology.parse(topology).world():
+        chunks = build_model(spec, Topology.parse(topology))
+        for directory in directories:
+            load_adapters(chunks, directory)
+            loaded.append(local_adapters(chunks))
+        if bad_rank_dir is not None:
+            set_active(lora_config(999, rank=8))
+            other = build_model(spec, Topology.parse(topology))
+            try:
+                load_adapters(other, bad_rank_dir)
+            except ValueError as problem:
+                error = str(problem)
+    return loaded, error
+
+
+def batch(spec, batch_size: int = 2):
+    """Fixed tokens and positions for logits comparisons."""
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, spec.vocab_size, (batch_size, spec.seq_length), generator=generator)
+    return tokens, torch.arange(spec.seq_length).unsqueeze(0).expand(batch_size, -1)
+
+
+def full_logits(model, spec) -> torch.Tensor:
+    """Full-vocab logits [b, s, V] from the vocab-parallel output of a single-stage model."""
+    from megatron.core import parallel_state
+
+    with torch.no_grad():
+        logits = model(*batch(spec), None)
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(logits) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, logits.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def export_and_merge_world(rank: int, world: int, topology: str, spec, seed: int, directory: str) -> dict:
+    """Logits with adapters, an adapter-only checkpoint, then logits merged / unmerged and the weight drift."""
+    from megatron_lora_patch.lora.checkpoint import save_adapters
+    from megatron_lora_patch.lora.merge import merge_adapters, unmerge_adapters
+    from megatron_lora_patch.testing.models import build_model
+    from megatron_lora_patch.testing.topology import Topology
+
+    setup(lora_config(seed))
+    with Topology.parse(topology).world():
+        chunks = build_model(spec, Topology.parse(topology))
+        model = chunks[0]
+        adapted = full_logits(model, spec)
+        save_adapters(chunks, directory)
+        weights = {name: p.detach().clone() for name, p in model.named_parameters() if ".lora." not in name}
+        merged = merge_adapters(chunks)
+        merged_logits = full_logits(model, spec)
+        unmerge_adapters(merged)
+        drift = max((p.detach() - weights[name]).abs().max().item() for name, p in model.named_parameters() if name in weights)
+        return {
+            "adapted": adapted,
+            "merged": merged_logits,
+            "unmerged": full_logits(model, spec),
+            "merged_count": len(merged),
+            "weight_drift": drift,
+        }
+
+
+def import_and_save_world(rank: int, world: int, topology: str, spec, peft_dir: str, directory: str) -> List[dict]:
+    """Import a PEFT adapter into fresh adapters (another seed) and write an adapter-only checkpoint."""
+    from megatron_lora_patch.lora.checkpoint import save_adapters
+    from megatron_lora_patch.lora.exchange import import_peft
+    from megatron_lora_patch.testing.models import build_model
+    from megatron_lora_patch.testing.topology import Topology
+
+    setup(lora_config(999))
+    with Topology.parse(topology).world():
+        chunks = build_model(spec, Topology.parse(topology))
+        import_peft(chunks, peft_dir)
+        save_adapters(chunks, directory)
+        return local_adapters(chunks)
