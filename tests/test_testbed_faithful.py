@@ -1,7 +1,8 @@
 """The testbed is faithful: full-parameter Megatron training steps on a topology equal world size 1.
 
 No LoRA, no patch except `cpu_compat`. With `calculate_per_token_loss` on, Megatron's own
-DDP, `finalize_model_grads`, schedules and Adam (with clipping) on TP2+SP, PP2, DP2, EP2
+DDP, `finalize_model_grads`, schedules and Adam (with clipping) on TP2+SP, PP2 (also with
+tied embeddings), DP2, EP2
 and ETP2 give the world-size-1 per-microbatch losses, reported loss, grad norm, finalized
 grads and updated weights (2 steps) to fp32 reduction-order noise. Negative controls show
 the comparison detects a real difference: per-microbatch (mean of means) normalization
@@ -32,6 +33,7 @@ DETECTION_FACTOR = 100
 DENSE = TinyGPTSpec()
 MOE = TinyGPTSpec.moe("allgather")
 MOE_ALLTOALL = TinyGPTSpec.moe("alltoall")
+TIED = TinyGPTSpec(tie_embeddings=True)
 SETTINGS = TrainSettings(steps=2, global_batch_size=8, micro_batch_size=1, calculate_per_token_loss=True)
 
 #: (id, spec, topology): 2-rank topologies of the default run. ETP2 uses dense TP2 (Megatron's
@@ -39,6 +41,7 @@ SETTINGS = TrainSettings(steps=2, global_batch_size=8, micro_batch_size=1, calcu
 TOPOLOGIES = [
     ("tp2-sp", DENSE, "tp2-sp"),
     ("pp2", DENSE, "pp2"),
+    ("pp2-tied-embeddings", TIED, "pp2"),
     ("dp2", DENSE, "dp2"),
     ("ep2-allgather", MOE, "ep2"),
     ("ep2-alltoall", MOE_ALLTOALL, "ep2"),
@@ -68,6 +71,7 @@ def perturb_one_element_on_tp_rank_1(chunks) -> None:
 REFERENCE_JOBS = {
     "dense": Job(DENSE, "tp1", SETTINGS),
     "moe": Job(MOE, "tp1", SETTINGS),
+    "tied": Job(TIED, "tp1", SETTINGS),
     "dense-legacy": Job(DENSE, "tp1", TrainSettings(loss_variant=LEGACY_MEAN, calculate_per_token_loss=False)),
 }
 CONTROL_JOBS = {
@@ -91,7 +95,8 @@ def default_results() -> dict:
 
 
 def _reference_for(spec) -> str:
-    return "moe" if spec.is_moe else "dense"
+    """World-1 reference key of a spec (both MoE dispatchers compute the same math at world 1)."""
+    return {DENSE: "dense", TIED: "tied", MOE: "moe", MOE_ALLTOALL: "moe"}[spec]
 
 
 def _assert_faithful(result: dict, reference: dict) -> None:
