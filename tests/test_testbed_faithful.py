@@ -2,14 +2,13 @@
 
 No LoRA, no patch except `cpu_compat`. With `calculate_per_token_loss` on, Megatron's own
 DDP, `finalize_model_grads`, schedules and Adam (with clipping) on TP2+SP, PP2 (also with
-tied embeddings), DP2, EP2
-and ETP2 give the world-size-1 per-microbatch losses, reported loss, grad norm, finalized
+tied embeddings), DP2, EP2 and ETP2 give the world-size-1 per-microbatch losses, reported loss, grad norm, finalized
 grads and updated weights (2 steps) to fp32 reduction-order noise. Negative controls show
 the comparison detects a real difference: per-microbatch (mean of means) normalization
 instead of the global token mean, and one perturbed weight element on one TP rank.
 
 All jobs of one world size share one set of processes (`runner.run_jobs`), so the
-default part costs two launches.
+training part of the default run costs two launches (plus one for the CP split check).
 """
 
 from __future__ import annotations
