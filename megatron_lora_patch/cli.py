@@ -8,6 +8,7 @@ import sys
 from typing import Optional, Sequence
 
 from megatron_lora_patch import cli_export, flags
+from megatron_lora_patch.oracle import command as oracle_command
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -23,6 +24,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     status.set_defaults(run=run_status)
     cli_export.add_parser(commands)
+    oracle_command.add_parser(commands)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

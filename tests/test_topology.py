@@ -128,6 +128,12 @@ def test_constructor_checks_like_the_parser():
             "(Megatron requires it); add 'sp'",
         ),
         (
+            "etp2",
+            dict(num_experts=4),
+            "topology 'etp2' does not fit: etp2 with ep1 needs etp == tp (Megatron DDP treats ep1 expert weights "
+            "as dense); use 'tp2-etp2-sp' or ep > 1",
+        ),
+        (
             "pp2",
             dict(num_layers=3),
             "topology 'pp2' does not fit: num_layers=3 is not divisible by pp2; use a pp dividing 3",

@@ -10,11 +10,13 @@ topology and the reference compare key by key.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Union
 
 import torch
 
+from megatron_lora_patch.oracle.metrics import relative_error
 from megatron_lora_patch.testing.data import num_microbatches_for
 from megatron_lora_patch.testing.driver import TrainSettings, train_steps
 from megatron_lora_patch.testing.launcher import run_world
@@ -25,11 +27,17 @@ DEFAULT_TIMEOUT_S = 300.0
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One training run: a model spec on a topology with its settings."""
+    """One training run: a model spec on a topology with its settings.
+
+    `context`: a picklable callable returning a context manager that each rank enters
+    around the run, after Megatron's setup and before the model is built (the oracle
+    applies its patches and mutations there).
+    """
 
     spec: Any
     topology: Topology
     settings: TrainSettings = TrainSettings()
+    context: Optional[Callable[[], ContextManager]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.topology, str):
@@ -44,7 +52,7 @@ def _train_jobs_on_rank(rank: int, world_size: int, jobs: List[Job]) -> List[dic
     records = []
     for index, job in enumerate(jobs):
         try:
-            with job.topology.world(seed=job.settings.seed):
+            with job.topology.world(seed=job.settings.seed), (job.context or contextlib.nullcontext)():
                 records.append(train_steps(job.spec, job.topology, job.settings))
         except Exception as error:
             if hasattr(error, "add_note"):  # Python 3.11+: name the failing job in the rank's traceback
@@ -157,13 +165,6 @@ def canonical_result(records: List[dict], spec, shapes: Optional[Dict[str, tuple
             }
         )
     return {"initial_params": _assemble(records, "initial_params", None, shapes), "steps": steps}
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected|| / ||expected|| (absolute when expected is zero)."""
-    difference = torch.linalg.vector_norm((actual.double() - expected.double()).flatten())
-    scale = torch.linalg.vector_norm(expected.double().flatten())
-    return float(difference / scale) if scale > 0 else float(difference)
 
 
 def compare_results(result: dict, reference: dict) -> Dict[str, float]:

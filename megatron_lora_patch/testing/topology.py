@@ -148,7 +148,8 @@ class Topology:
         """Check this topology against a model and a machine; return self or raise one :class:`TopologyError`.
 
         ``num_experts``: None or 0 for a dense model. Checks (in this order): world size
-        <= ``max_world``; ep/etp > 1 need a MoE model; experts divisible by ep; MoE with
+        <= ``max_world``; ep/etp > 1 need a MoE model; experts divisible by ep; etp == tp
+        when ep is 1 (Megatron's DDP syncs ep1 expert weights as dense ones); MoE with
         ep > 1 and tp > 1 needs sp (Megatron requires it); layers divisible by pp;
         sequence divisible by 2*cp when cp > 1 (load-balanced CP chunks) and by tp under sp.
         """
@@ -162,6 +163,13 @@ class Topology:
             )
         if num_experts and num_experts % self.ep:
             problems.append(f"num_experts={num_experts} is not divisible by ep{self.ep}; use an ep dividing {num_experts}")
+        if self.ep == 1 and self.etp not in (1, self.tp):
+            # Megatron marks expert weights allreduce=True when ep is 1, so DDP syncs them over
+            # dense DP: with etp != tp that mixes different expert shards (broadcast and grads).
+            problems.append(
+                f"etp{self.etp} with ep1 needs etp == tp (Megatron DDP treats ep1 expert weights as dense); "
+                f"use 'tp{self.etp}-etp{self.etp}-sp' or ep > 1"
+            )
         if num_experts and self.ep > 1 and self.tp > 1 and not self.sp:
             problems.append("MoE with ep > 1 and tp > 1 needs sequence parallel (Megatron requires it); add 'sp'")
         if num_layers is not None and num_layers % self.pp:

@@ -1,0 +1,83 @@
+"""Comparison metrics: per tensor relative L2 and max-abs, per phase worst and per-layer mean."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Mapping, Optional
+
+import torch
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected||, in float64 (absolute when expected is zero)."""
+    if actual.shape != expected.shape:
+        raise ValueError(f"shape {tuple(actual.shape)} vs reference {tuple(expected.shape)}")
+    difference = torch.linalg.vector_norm((actual.double() - expected.double()).flatten())
+    scale = torch.linalg.vector_norm(expected.double().flatten())
+    return float(difference / scale) if scale > 0 else float(difference)
+
+
+def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected.double()).abs().max()) if expected.numel() else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseMetrics:
+    """One phase of one topology against the reference."""
+
+    rel_l2: float  # worst tensor
+    max_abs: float  # worst tensor
+    worst_tensor: str
+    per_layer: Mapping[str, float]  # mean relative L2 of the tensors of each transformer layer ("other": the rest)
+    threshold: float
+
+    @property
+    def passed(self) -> bool:
+        return self.rel_l2 <= self.threshold  # NaN fails
+
+    @property
+    def ratio(self) -> float:
+        return self.rel_l2 / self.threshold
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"passed": self.passed}
+
+
+def compare_tensors(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], threshold: float) -> PhaseMetrics:
+    """Metrics over the same-named tensors; a missing or extra name is an error, never a pass."""
+    if set(actual) != set(expected):
+        raise ValueError(
+            f"tensor sets differ from the reference: missing {sorted(set(expected) - set(actual))}, "
+            f"extra {sorted(set(actual) - set(expected))}"
+        )
+    if not expected:
+        raise ValueError("nothing to compare: the reference captured no tensor for this phase")
+    errors = {name: relative_error(actual[name], expected[name]) for name in expected}
+    worst = max(errors, key=lambda name: (errors[name] != errors[name], errors[name]))  # NaN first
+    layers: dict[str, list[float]] = {}
+    for name, error in errors.items():
+        match = _LAYER.search(name)
+        layers.setdefault(match.group(1) if match else "other", []).append(error)
+    return PhaseMetrics(
+        rel_l2=errors[worst],
+        max_abs=max(max_abs_error(actual[name], expected[name]) for name in expected),
+        worst_tensor=worst,
+        per_layer={layer: sum(values) / len(values) for layer, values in sorted(layers.items())},
+        threshold=threshold,
+    )
+
+
+def compare_scalars(actual: Mapping[str, float], expected: Mapping[str, float], threshold: float) -> PhaseMetrics:
+    return compare_tensors(
+        {k: torch.tensor(float(v)) for k, v in actual.items()},
+        {k: torch.tensor(float(v)) for k, v in expected.items()},
+        threshold,
+    )
+
+
+def worst_ratio(phases: Mapping[str, Optional[PhaseMetrics]]) -> float:
+    ratios = [metrics.ratio for metrics in phases.values() if metrics is not None]
+    return max(ratios, key=lambda r: (r != r, r)) if ratios else float("nan")
