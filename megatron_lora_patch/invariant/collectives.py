@@ -1,0 +1,104 @@
+"""The three collectives of the TP-invariant mode, as autograd functions.
+
+In this mode every rank computes, redundantly, the world-size-1 value of every tensor
+that a TP reduction would otherwise produce from partial sums. Consequently the gradient
+of such a tensor is complete and identical on every rank, which fixes the backward of
+each collective:
+
+- `gather_logical(t, dim, stride, group)`: forward all-gathers the shards and lays them out
+  as the world-size-1 tensor (`stride=2`: a SwiGLU fc1 whose shards are `[gate_r; up_r]`);
+  backward keeps this rank's slice of the (complete) gradient. No reduction: summing the
+  identical copies would multiply the grad by the TP size.
+- `local_slice(t, dim, stride, group)`: the dual; forward keeps this rank's shard of a full
+  tensor, backward all-gathers the shard gradients into the full gradient.
+- `owned_by_first_rank(t, group)`: makes Megatron's SUM over TP that follows a row-parallel
+  linear exact: rank 0 contributes the full value, the others zeros (`x + 0 == x`, in any
+  reduction order). Backward is the identity on every rank, because the reduced value IS `t`.
+
+At world size 1 all three are identities (the tensor itself is returned, outside autograd
+functions, so later in-place ops on it stay legal): TP = 1 runs the same GEMMs and losses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import torch
+import torch.distributed
+
+from megatron_lora_patch.lora.layouts import shard, unshard
+
+
+def _size_and_rank(group: Any) -> tuple:
+    return torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+
+
+def all_gather_logical(tensor: torch.Tensor, dim: int, stride: int, group: Any) -> torch.Tensor:
+    """The world-size-1 tensor whose TP shards (Megatron's `stride` split along `dim`) the ranks hold."""
+    world, _ = _size_and_rank(group)
+    if world == 1:
+        return tensor
+    pieces: List[torch.Tensor] = [torch.empty_like(tensor) for _ in range(world)]
+    torch.distributed.all_gather(pieces, tensor.contiguous(), group=group)
+    return unshard(pieces, dim, stride)
+
+
+def _local_shard(tensor: torch.Tensor, dim: int, stride: int, group: Any) -> torch.Tensor:
+    world, rank = _size_and_rank(group)
+    if world == 1:
+        return tensor
+    return shard(tensor, dim, rank, world, stride)
+
+
+class _GatherLogical(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, dim, stride, group):
+        ctx.dim, ctx.stride, ctx.group = dim, stride, group
+        return all_gather_logical(tensor, dim, stride, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _local_shard(grad, ctx.dim, ctx.stride, ctx.group), None, None, None
+
+
+class _LocalSlice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, dim, stride, group):
+        ctx.dim, ctx.stride, ctx.group = dim, stride, group
+        return _local_shard(tensor, dim, stride, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_logical(grad, ctx.dim, ctx.stride, ctx.group), None, None, None
+
+
+class _OwnedByFirstRank(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, group):
+        _, rank = _size_and_rank(group)
+        return tensor if rank == 0 else torch.zeros_like(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def gather_logical(tensor: torch.Tensor, dim: int, stride: int, group: Any) -> torch.Tensor:
+    """All-gather to the world-size-1 layout; backward: this rank's slice of the complete grad."""
+    if torch.distributed.get_world_size(group) == 1:
+        return tensor
+    return _GatherLogical.apply(tensor, dim, stride, group)
+
+
+def local_slice(tensor: torch.Tensor, dim: int, stride: int, group: Any) -> torch.Tensor:
+    """This rank's shard of a full tensor; backward: all-gather of the shard grads."""
+    if torch.distributed.get_world_size(group) == 1:
+        return tensor
+    return _LocalSlice.apply(tensor, dim, stride, group)
+
+
+def owned_by_first_rank(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """`tensor` on TP rank 0, zeros elsewhere, so a following SUM over TP returns `tensor` bit for bit."""
+    if torch.distributed.get_world_size(group) == 1:
+        return tensor
+    return _OwnedByFirstRank.apply(tensor, group)

@@ -1,0 +1,205 @@
+"""`tp_invariant`: LoRA training on the dense GQA testbed is BITWISE identical across TP degrees.
+
+Each topology runs K=3 real Megatron training steps (DDP, schedule, finalize, optimizer with
+clipping) of the tiny GPT with LoRA on every linear (non-zero B, so every factor gets a
+grad). TP=2 (with and without SP) is compared with TP=1 by `torch.equal` on: per-token
+losses and the decoder output of every microbatch (forward), the grad of the residual
+stream entering layer 1 (input grads), the adapter grads after finalize, the grad norm,
+and the adapter weights after every step. With the patch off, the same comparison finds
+differences (the test can fail). TP=4 (heads/groups 8/4) is marked slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_lora_patch.testing.launcher import run_world
+
+STEPS = 3
+BASE_PATCHES = ("cpu_compat", "lora_linear", "finalize_grads", "loss_normalization")
+#: What the layer-1 input hooks saw, per backward (reset after each step).
+_INPUT_GRADS: list = []
+
+
+# -- in the ranks --------------------------------------------------------------------------
+
+
+def _capture_input_grad(module, args, kwargs):
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    if hidden is not None and hidden.requires_grad:
+        hidden.register_hook(lambda grad: _INPUT_GRADS.append(grad.detach().clone()))
+
+
+def _hook_layer_one(chunks) -> None:
+    chunks[0].decoder.layers[1].register_forward_pre_hook(_capture_input_grad, with_kwargs=True)
+
+
+def _take_input_grads(step, record, chunks) -> None:
+    record["extra"]["input_grads"] = list(_INPUT_GRADS)
+    _INPUT_GRADS.clear()
+
+
+def _forward_modules(name, module) -> bool:
+    return name in ("", "decoder")  # per-token losses and the final hidden states
+
+
+def _train(rank, world_size, spec, topology_text, invariant):
+    import megatron_lora_patch
+    from megatron_lora_patch.lora.config import LoraConfig, set_active
+    from megatron_lora_patch.plugin import PATCH_MODULES
+    from megatron_lora_patch.testing.driver import Capture, TrainSettings, train_steps
+    from megatron_lora_patch.testing.topology import Topology
+
+    wanted = set(BASE_PATCHES) | ({"tp_invariant"} if invariant else set())
+    megatron_lora_patch.apply(
+        plugins=["lora_correct"], enable={name: name in wanted for name in PATCH_MODULES}, strict=True
+    )
+    set_active(LoraConfig(rank=4, alpha=8.0, b_init="nonzero"))
+    settings = TrainSettings(
+        steps=STEPS,
+        global_batch_size=4,
+        on_model_built=_hook_layer_one,
+        capture=Capture(params_every_step=True, forward=_forward_modules, on_step_end=_take_input_grads),
+    )
+    topology = Topology.parse(topology_text)
+    with topology.world(seed=settings.seed):
+        return train_steps(spec, topology, settings)
+
+
+def run(spec, topology_text: str, invariant: bool) -> list:
+    from megatron_lora_patch.testing.topology import Topology
+
+    world_size = Topology.parse(topology_text).world_size
+    return run_world(_train, world_size, args=(spec, topology_text, invariant), timeout=600, name=topology_text)
+
+
+# -- comparison against TP=1 --------------------------------------------------------------
+
+
+def _expected_local(name: str, full: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s shard of the TP=1 tensor: the dim whose size differs, stride 2 for SwiGLU fc1 rows."""
+    from megatron_lora_patch.lora.layouts import shard
+
+    if full.shape == local.shape:
+        return full
+    (dim,) = [d for d in range(full.dim()) if full.shape[d] != local.shape[d]]
+    stride = 2 if "linear_fc1" in name and dim == 0 else 1
+    return shard(full, dim, rank, world, stride)
+
+
+def mismatches(reference: list, records: list) -> list:
+    """Every quantity of `records` (any TP) that is not bitwise equal to the TP=1 `reference`."""
+    ref = reference[0]
+    found = []
+    for record in records:
+        coords = record["coords"]
+        rank, world, sp_world = coords["tp_rank"], coords["tp_size"], coords["tp_size"]
+        where = f"tp_rank {rank}"
+        for step, (want, got) in enumerate(zip(ref["steps"], record["steps"])):
+            if want["grad_norm"] != got["grad_norm"]:
+                found.append(f"{where} step {step}: grad_norm {got['grad_norm']!r} != {want['grad_norm']!r}")
+            if want["microbatches"] != got["microbatches"]:
+                found.append(f"{where} step {step}: losses {got['microbatches']} != {want['microbatches']}")
+            for phase in ("grads", "params"):
+                for name, full in want[phase].items():
+                    local = got[phase][name]
+                    if not torch.equal(local, _expected_local(name, full, local, rank, world)):
+                        found.append(f"{where} step {step}: {phase} {name}")
+            for module, outputs in want["forward"].items():
+                for index, (full, local) in enumerate(zip(outputs, got["forward"][module])):
+                    full = full[0] if isinstance(full, tuple) else full
+                    local = local[0] if isinstance(local, tuple) else local
+                    if not torch.equal(local, _expected_local(module, full, local, rank, sp_world)):
+                        found.append(f"{where} step {step}: forward {module or 'loss'} microbatch {index}")
+            pairs = zip(want["extra"]["input_grads"], got["extra"]["input_grads"])
+            for index, (full, local) in enumerate(pairs):
+                if not torch.equal(local, _expected_local("input", full, local, rank, sp_world)):
+                    found.append(f"{where} step {step}: input grad {index}")
+            if len(want["extra"]["input_grads"]) != len(got["extra"]["input_grads"]):
+                found.append(f"{where} step {step}: input grad count")
+    return found
+
+
+def _checked_counts(records: list) -> None:
+    """The comparison covers something in every category (an empty capture must not pass)."""
+    step = records[0]["steps"][-1]
+    assert step["grads"] and step["params"] and step["grad_norm"] is not None
+    assert {"", "decoder"} <= set(step["forward"]) and step["extra"]["input_grads"]
+    assert any(".lora.A" in name for name in step["grads"]) and any(".lora.B" in name for name in step["grads"])
+
+
+@pytest.fixture(scope="module")
+def fp32_spec():
+    from megatron_lora_patch.testing.models import TinyGPTSpec
+
+    return TinyGPTSpec()
+
+
+@pytest.fixture(scope="module")
+def fp32_reference(fp32_spec):
+    records = run(fp32_spec, "tp1", invariant=True)
+    _checked_counts(records)
+    return records
+
+
+@pytest.mark.parametrize("topology", ["tp2", "tp2-sp"])
+def test_fp32_bitwise_equal_to_tp1(fp32_spec, fp32_reference, topology):
+    records = run(fp32_spec, topology, invariant=True)
+    assert len(records) == 2
+    assert mismatches(fp32_reference, records) == []
+
+
+def test_without_the_patch_tp2_differs(fp32_spec):
+    """Same comparison with the mode off: TP=2 is NOT bitwise TP=1 (ULP-level partial-sum differences)."""
+    reference = run(fp32_spec, "tp1", invariant=False)
+    found = mismatches(reference, run(fp32_spec, "tp2-sp", invariant=False))
+    assert found, "the mode-off run matched bit for bit: the comparison could not detect a difference"
+    assert any("grads" in entry for entry in found)
+
+
+def _bf16_forward_backward(rank, world_size, spec, topology_text):
+    """bf16 model (no optimizer: Megatron's Float16 optimizer refuses CPU tensors): losses, adapter grads."""
+    import megatron_lora_patch
+    from megatron_lora_patch.lora.config import LoraConfig, set_active
+    from megatron_lora_patch.plugin import PATCH_MODULES
+    from megatron_lora_patch.testing import data
+    from megatron_lora_patch.testing.models import build_model
+    from megatron_lora_patch.testing.topology import Topology
+
+    wanted = set(BASE_PATCHES) | {"tp_invariant"}
+    megatron_lora_patch.apply(
+        plugins=["lora_correct"], enable={name: name in wanted for name in PATCH_MODULES}, strict=True
+    )
+    set_active(LoraConfig(rank=4, alpha=8.0, b_init="nonzero"))
+    topology = Topology.parse(topology_text)
+    with topology.world(seed=1234):
+        model = build_model(spec, topology)[0]
+        batch = data.make_global_batch(1234, 2, spec.seq_length, spec.vocab_size)
+        losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        (losses.float() * batch["loss_mask"]).sum().backward()
+        grads = {name: param.grad.detach().clone() for name, param in model.named_parameters() if param.requires_grad}
+        return {"losses": losses.detach().clone(), "grads": grads}
+
+
+def test_bf16_forward_and_adapter_grads_bitwise_equal_to_tp1():
+    from megatron_lora_patch.testing.models import TinyGPTSpec
+
+    spec = TinyGPTSpec(dtype="bfloat16")
+    reference = run_world(_bf16_forward_backward, 1, args=(spec, "tp1"), timeout=600, name="tp1")[0]
+    records = run_world(_bf16_forward_backward, 2, args=(spec, "tp2-sp"), timeout=600, name="tp2-sp")
+    assert reference["grads"] and all(grad.dtype == torch.bfloat16 for grad in reference["grads"].values())
+    for rank, record in enumerate(records):
+        assert torch.equal(record["losses"], reference["losses"])
+        for name, full in reference["grads"].items():
+            local = record["grads"][name]
+            assert torch.equal(local, _expected_local(name, full, local, rank, 2)), f"tp_rank {rank}: {name}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["tp2", "tp4", "tp4-sp"])
+def test_tp4_bitwise_equal_to_tp1(topology):
+    from megatron_lora_patch.testing.models import TinyGPTSpec
+
+    spec = TinyGPTSpec(num_attention_heads=8, num_query_groups=4)
+    assert mismatches(run(spec, "tp1", invariant=True), run(spec, topology, invariant=True)) == []
