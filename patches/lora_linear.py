@@ -1,6 +1,6 @@
 """`lora_linear`: LoRA adapters on Megatron's tensor-parallel linear layers (DESIGN.md section 4).
 
-Two targets:
+Targets:
 - `megatron.core.tensor_parallel.layers`: the layer `forward`s announce their adapter
   and the module-global linear functions add the LoRA term on the base layer's own
   collectives (see `megatron_lora_patch.lora.linear` for why this hook point).
@@ -12,9 +12,11 @@ Two targets:
 - `megatron.core.transformer.transformer_block`: under full activation recompute the
   checkpointed layers get an input that requires grad, else the frozen embedding
   leaves them without any gradient (see `megatron_lora_patch.lora.recompute`).
-
-Transformer Engine linears are not adapted yet: with TE specs the targets match no
-Megatron linear and attaching fails with the list of layers that exist.
+- `megatron.core.extensions.transformer_engine` (only where Transformer Engine imports):
+  `TELinear.forward` (TEColumnParallelLinear, TERowParallelLinear),
+  `TELayerNormColumnParallelLinear.forward` and `TEGroupedLinear.forward` add the LoRA
+  term beside TE's fused module; TE does its TP comm inside, so that branch has small
+  collectives of its own (`megatron_lora_patch.lora.te`; not verified on a TE machine yet).
 """
 
 from __future__ import annotations
@@ -50,6 +52,23 @@ def _patch_transformer_block(patcher, transformer_block) -> None:
     patcher.wrap(transformer_block.TransformerBlock, "_checkpointed_forward", checkpointed_forward)
 
 
+TE_FORWARDS = {
+    "TELinear": "linear_forward",
+    "TELayerNormColumnParallelLinear": "layernorm_linear_forward",
+    "TEGroupedLinear": "grouped_linear_forward",
+}
+
+
+def _patch_transformer_engine(patcher, extensions) -> None:
+    """Wrap the TE linears' forwards; nothing to do where TE is absent (the names are stubs then)."""
+    from megatron_lora_patch.lora import te
+
+    for class_name, wrapper_name in TE_FORWARDS.items():
+        cls = getattr(extensions, class_name, None)
+        if getattr(extensions, "HAVE_TE", False) and isinstance(cls, type):
+            patcher.wrap(cls, "forward", getattr(te, wrapper_name))
+
+
 SPEC = PatchSpec(
     name="lora_linear",
     summary="LoRA adapters on Column/RowParallelLinear riding the base layer's collectives; base frozen",
@@ -57,6 +76,7 @@ SPEC = PatchSpec(
         "megatron.core.tensor_parallel.layers": _patch_layers,
         "megatron.core.models.gpt.gpt_model": _patch_gpt_model,
         "megatron.core.transformer.transformer_block": _patch_transformer_block,
+        "megatron.core.extensions.transformer_engine": _patch_transformer_engine,
     },
     versions=">=0.13,<0.17",
     default=True,
@@ -67,5 +87,8 @@ SPEC = PatchSpec(
         "megatron.core.tensor_parallel.layers:RowParallelLinear.forward",
         "megatron.core.models.gpt.gpt_model:GPTModel.__init__",
         "megatron.core.transformer.transformer_block:TransformerBlock._checkpointed_forward",
+        "megatron.core.extensions.transformer_engine:TELinear.forward",
+        "megatron.core.extensions.transformer_engine:TELayerNormColumnParallelLinear.forward",
+        "megatron.core.extensions.transformer_engine:TEGroupedLinear.forward",
     ),
 )

@@ -12,7 +12,7 @@ term rides the base layer's one collective is `lora.linear`'s job.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +31,13 @@ class LoraAdapter(torch.nn.Module):
 
     Registered as a submodule of the layer, so DDP, the optimizer and state dicts see
     `<layer>.lora.A` / `<layer>.lora.B`; the layer itself is not referenced (no cycle).
+    `layer` is a Megatron linear or anything with its `input_size`, `output_size` (logical),
+    `tp_group`, `weight` (local) and `is_expert` (`lora.te.Geometry` for TE linears).
     """
 
     def __init__(
         self,
-        layer: torch.nn.Module,
+        layer: Any,
         *,
         parallel_mode: str,
         module_name: str,

@@ -55,14 +55,18 @@ def canonical_modules(model: torch.nn.Module) -> Iterator[Tuple[str, Optional[in
     yield from walk(model, "", None)
 
 
-def _parallel_mode(module: torch.nn.Module) -> Optional[str]:
+def _linear_kind(module: torch.nn.Module) -> Optional[Tuple[str, bool, bool]]:
+    """(parallel mode, grouped, Transformer Engine) of an adaptable linear, else None."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+    from .te import te_linear_kind
+
     if isinstance(module, ColumnParallelLinear) and module.weight is not None:
-        return "column"
+        return "column", False, False
     if isinstance(module, RowParallelLinear):
-        return "row"
-    return None
+        return "row", False, False
+    te_kind = te_linear_kind(module)
+    return (*te_kind, True) if te_kind else None
 
 
 def _matches(name: str, patterns: tuple) -> bool:
@@ -71,11 +75,31 @@ def _matches(name: str, patterns: tuple) -> bool:
 
 
 def _out_stride(name: str, parent: torch.nn.Module) -> int:
-    """2 for a gated (SwiGLU) fc1, whose TP shards hold `[gate_shard; up_shard]`."""
-    from megatron.core.transformer.mlp import MLP
-
-    gated = isinstance(parent, MLP) and parent.config.gated_linear_unit
+    """2 for a gated (SwiGLU) fc1 (MLP, or TE grouped experts): TP shards hold `[gate_shard; up_shard]`."""
+    gated = getattr(getattr(parent, "config", None), "gated_linear_unit", False)
     return 2 if gated and name.endswith("linear_fc1") else 1
+
+
+def _adapter_specs(name, kind, expert_index, module, parent) -> List[Tuple[str, Optional[int], object]]:
+    """`(canonical name, expert index, geometry)` of each adapter a linear gets.
+
+    Megatron linears are their own geometry; a TE linear gets one from its weight(s); a
+    TE grouped linear holds all local experts, so it gets one adapter per expert, named
+    like SequentialMLP's (`...experts.local_experts.<global index>.linear_fc1`).
+    """
+    mode, grouped, is_te = kind
+    if not is_te:
+        return [(name, expert_index, module)]
+    from megatron.core.utils import get_pg_rank
+
+    from .te import geometries
+
+    shapes = geometries(module, mode, grouped, is_expert=expert_index is not None)
+    if not grouped:
+        return [(name, expert_index, shapes[0])]
+    offset = get_pg_rank(parent.ep_group) * parent.num_local_experts
+    prefix, short = name.rsplit(".", 1)
+    return [(f"{prefix}.local_experts.{offset + j}.{short}", offset + j, shape) for j, shape in enumerate(shapes)]
 
 
 def attach_adapters(model: torch.nn.Module, config: Optional[LoraConfig] = None) -> List[str]:
@@ -86,11 +110,11 @@ def attach_adapters(model: torch.nn.Module, config: Optional[LoraConfig] = None)
     exceeds a targeted layer's dimensions. Calling it again adds nothing.
     """
     config = config or active()
-    linears: Dict[str, Tuple[str, Optional[int], torch.nn.Module, torch.nn.Module]] = {}
+    linears: Dict[str, Tuple[Tuple[str, bool, bool], Optional[int], torch.nn.Module, torch.nn.Module]] = {}
     for name, expert_index, module, parent in canonical_modules(model):
-        mode = _parallel_mode(module)
-        if mode is not None:
-            linears[name] = (mode, expert_index, module, parent)
+        kind = _linear_kind(module)
+        if kind is not None:
+            linears[name] = (kind, expert_index, module, parent)
     selected = [
         name for name in linears if _matches(name, config.targets) and not _matches(name, config.exclude)
     ]
@@ -100,23 +124,29 @@ def attach_adapters(model: torch.nn.Module, config: Optional[LoraConfig] = None)
             f"linear layer; set MEGATRON_LORA_TARGETS to names from: {', '.join(linears) or '(none)'}"
         )
     for name in selected:
-        mode, expert_index, module, parent = linears[name]
+        kind, expert_index, module, parent = linears[name]
         if ADAPTER_NAME in module._modules:
             continue
-        if config.rank > min(module.input_size, module.output_size):
-            raise LoraConfigError(
-                f"LoRA rank {config.rank} exceeds {name} (in {module.input_size}, out "
-                f"{module.output_size}); set MEGATRON_LORA_RANK <= {min(module.input_size, module.output_size)}"
+        adapters = []
+        for adapter_name, adapter_expert, geometry in _adapter_specs(name, kind, expert_index, module, parent):
+            smallest = min(geometry.input_size, geometry.output_size)
+            if config.rank > smallest:
+                raise LoraConfigError(
+                    f"LoRA rank {config.rank} exceeds {name} (in {geometry.input_size}, out "
+                    f"{geometry.output_size}); set MEGATRON_LORA_RANK <= {smallest}"
+                )
+            adapters.append(
+                LoraAdapter(
+                    geometry,
+                    parallel_mode=kind[0],
+                    module_name=adapter_name,
+                    expert_index=adapter_expert,
+                    config=config,
+                    out_stride=_out_stride(name, parent),
+                )
             )
-        adapter = LoraAdapter(
-            module,
-            parallel_mode=mode,
-            module_name=name,
-            expert_index=expert_index,
-            config=config,
-            out_stride=_out_stride(name, parent),
-        )
-        module.add_module(ADAPTER_NAME, adapter)
+        grouped = kind[1]
+        module.add_module(ADAPTER_NAME, torch.nn.ModuleList(adapters) if grouped else adapters[0])
     freeze_base(model)
     logger.info("LoRA: %d adapters (rank %d, scale %g)", len(selected), config.rank, config.scale)
     return selected
