@@ -4,7 +4,9 @@ Part 1, collectives: on a 2-rank gloo world (TP2, and TP2 with sequence parallel
 forward + backward of a ColumnParallelLinear and a RowParallelLinear in four variants:
 - `frozen`: the base weight frozen, no adapter (what LoRA fine-tuning starts from);
 - `full`: the base weight trainable (full fine-tuning);
-- `lora-keep` / `lora-regather`: frozen base + adapter, `sp_input` keep / regather.
+- `lora-keep` / `lora-regather`: frozen base + adapter, `sp_input` keep / regather;
+- `te-branch`: the frozen Megatron base plus the branch used beside Transformer Engine
+  linears (`lora.te`), whose own collectives carry [tokens, r] (TE itself is not needed).
 Every torch.distributed collective (and Megatron's module-level aliases of
 `all_gather_into_tensor` / `reduce_scatter_tensor`) is counted by op with its payload in
 bytes (all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the full
@@ -34,7 +36,7 @@ import torch
 from megatron_lora_patch.testing.launcher import run_world
 
 SEQ, BATCH, HIDDEN, FFN = 16, 2, 64, 128
-VARIANTS = ("frozen", "full", "lora-keep", "lora-regather")
+VARIANTS = ("frozen", "full", "lora-keep", "lora-regather", "te-branch")
 _COLLECTIVES = {  # torch.distributed function -> op label
     "all_reduce": "all_reduce",
     "all_gather": "all_gather",
@@ -139,12 +141,31 @@ def _layer(kind: str, variant: str, sequence_parallel: bool):
             FFN, HIDDEN, config=config, init_method=init, bias=False, input_is_parallel=True,
             skip_bias_add=False, tp_group=group,
         )
+    layer = next(iter(holder.children()))
     if variant.startswith("lora"):
         attach_adapters(holder, LoraConfig(rank=8, sp_input=variant.split("-")[1]))
+    elif variant == "te-branch":
+        attach_adapters(holder, LoraConfig(rank=8))
+        return _TEBranch(layer, layer._modules.pop("lora"), kind, sequence_parallel)
     else:
         for param in holder.parameters():
             param.requires_grad_(variant == "full")
-    return next(iter(holder.children()))
+    return layer
+
+
+class _TEBranch(torch.nn.Module):
+    """A frozen Megatron base plus the LoRA branch `lora.te` computes beside a TE linear."""
+
+    def __init__(self, base, adapter, kind: str, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.base, self.adapter, self.kind, self.sequence_parallel = base, adapter, kind, sequence_parallel
+
+    def forward(self, x):
+        from megatron_lora_patch.lora import te
+
+        term = te.column_term if self.kind == "column" else te.row_term
+        output, bias = self.base(x)
+        return output + term(self.adapter, x, self.sequence_parallel), bias
 
 
 def count_collectives(rank: int, world: int) -> dict:
@@ -244,7 +265,13 @@ def main() -> None:
             row = {variant: figures[(setting, kind, variant)] for variant in VARIANTS}
             keep_ok = row["lora-keep"] == row["frozen"]
             regather_ok = row["lora-regather"] == row["full"]
-            print(f"{setting} {kind}: lora-keep == frozen: {keep_ok}; lora-regather == full: {regather_ok}")
+            extra = {op: count - row["frozen"][0].get(op, 0) for op, count in row["te-branch"][0].items()}
+            extra_bytes = {op: size - row["frozen"][1].get(op, 0) for op, size in row["te-branch"][1].items()}
+            te_text = ", ".join(f"{op} x{count} ({extra_bytes[op]} B)" for op, count in sorted(extra.items()) if count) or "none"
+            print(
+                f"{setting} {kind}: lora-keep == frozen: {keep_ok}; lora-regather == full: {regather_ok}; "
+                f"te-branch adds: {te_text}"
+            )
 
     timing = run_world(step_times, 1, args=(options.hidden, options.seq, options.steps), name="step-time", timeout=600)[0]
     spec, flops, median = timing["spec"], timing["flops"], timing["median_s"]
