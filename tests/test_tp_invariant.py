@@ -94,7 +94,7 @@ def mismatches(reference: list, records: list) -> list:
     found = []
     for record in records:
         coords = record["coords"]
-        rank, world, sp_world = coords["tp_rank"], coords["tp_size"], coords["tp_size"]
+        rank, world = coords["tp_rank"], coords["tp_size"]
         where = f"tp_rank {rank}"
         for step, (want, got) in enumerate(zip(ref["steps"], record["steps"])):
             if want["grad_norm"] != got["grad_norm"]:
@@ -110,11 +110,11 @@ def mismatches(reference: list, records: list) -> list:
                 for index, (full, local) in enumerate(zip(outputs, got["forward"][module])):
                     full = full[0] if isinstance(full, tuple) else full
                     local = local[0] if isinstance(local, tuple) else local
-                    if not torch.equal(local, _expected_local(module, full, local, rank, sp_world)):
+                    if not torch.equal(local, _expected_local(module, full, local, rank, world)):
                         found.append(f"{where} step {step}: forward {module or 'loss'} microbatch {index}")
             pairs = zip(want["extra"]["input_grads"], got["extra"]["input_grads"])
             for index, (full, local) in enumerate(pairs):
-                if not torch.equal(local, _expected_local("input", full, local, rank, sp_world)):
+                if not torch.equal(local, _expected_local("input", full, local, rank, world)):
                     found.append(f"{where} step {step}: input grad {index}")
             if len(want["extra"]["input_grads"]) != len(got["extra"]["input_grads"]):
                 found.append(f"{where} step {step}: input grad count")
@@ -203,3 +203,37 @@ def test_tp4_bitwise_equal_to_tp1(topology):
 
     spec = TinyGPTSpec(num_attention_heads=8, num_query_groups=4)
     assert mismatches(run(spec, "tp1", invariant=True), run(spec, topology, invariant=True)) == []
+
+
+def test_apply_and_revert_restore_megatron_exactly():
+    """Every target is wrapped while on (status 'applied') and is the original object again after revert."""
+    import megatron_lora_patch
+    from megatron_lora_patch.plugin import PATCH_MODULES
+
+    import megatron.core.tensor_parallel as tensor_parallel
+    import megatron.core.tensor_parallel.cross_entropy as cross_entropy
+    import megatron.core.tensor_parallel.layers as layers
+    import megatron.core.transformer.mlp as mlp
+    import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.models.common.language_module.language_module as language_module
+    import megatron_lora_patch.lora.grad_sync as grad_sync
+
+    targets = [
+        (vars(layers.ColumnParallelLinear), "_forward_impl"), (vars(layers.RowParallelLinear), "_forward_impl"),
+        (vars(mlp.MLP), "__init__"), (vars(cross_entropy), "vocab_parallel_cross_entropy"),
+        (vars(tensor_parallel), "vocab_parallel_cross_entropy"),
+        (vars(language_module), "fused_vocab_parallel_cross_entropy"),
+        (vars(optimizer.MegatronOptimizer), "get_grad_norm"), (vars(optimizer.MegatronOptimizer), "clip_grad_norm"),
+        (vars(optimizer.ChainedOptimizer), "get_grad_norm"), (vars(grad_sync), "replicated_adapter_params"),
+    ]
+    originals = [namespace[name] for namespace, name in targets]
+    try:
+        megatron_lora_patch.apply(
+            plugins=["lora_correct"], enable={name: name == "tp_invariant" for name in PATCH_MODULES}, strict=True
+        )
+        row = next(row for row in megatron_lora_patch.status() if row.patch == "tp_invariant")
+        assert row.state == "applied"
+        assert all(namespace[name] is not original for (namespace, name), original in zip(targets, originals))
+    finally:
+        megatron_lora_patch.revert()
+    assert all(namespace[name] is original for (namespace, name), original in zip(targets, originals))

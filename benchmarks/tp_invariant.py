@@ -1,0 +1,121 @@
+"""Step time and peak memory of the TP-invariant mode vs the default mode at TP=2 (issue 7 benchmark).
+
+One gloo world of 2 ranks per mode runs Megatron training steps of a GQA GPT with LoRA on
+every linear (the testbed driver: DDP, schedule, finalize, Adam with clipping). Per step it
+records the wall time of the whole step (forward + backward + optimizer) and of the model
+forwards alone (forward pre/post hooks on the model), after `--warmup` untimed steps; medians
+over the timed steps of rank 0 are reported.
+
+Memory: the growth of the process's peak resident set size (`resource.getrusage` ru_maxrss)
+over the resident size right after the model is built, max over ranks. tracemalloc is not used
+because torch's CPU allocator bypasses Python's allocator (it would see none of the tensors).
+RSS growth counts activations, gathered weights and temporaries, plus allocator slack.
+
+Anchor: Megatron-LM #4740 reports +70 % forward and +163 % end-to-end on GPU (TE kernels,
+real sizes); on 2 CPU cores with gloo the ratios are only indicative.
+
+Usage: python benchmarks/tp_invariant.py [--steps 4] [--warmup 1] [--hidden 256] [--seq 128] [--sp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+from megatron_lora_patch.testing.launcher import run_world
+
+PATCHES = ("cpu_compat", "lora_linear", "finalize_grads", "loss_normalization")
+_FORWARD: dict = {"started": None, "seconds": 0.0}
+_STEP_ENDS: list = []
+
+
+def _current_rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def _forward_started(module, args, kwargs):
+    _FORWARD["started"] = time.perf_counter()
+
+
+def _forward_finished(module, args, kwargs, output):
+    _FORWARD["seconds"] += time.perf_counter() - _FORWARD["started"]
+
+
+def _time_forwards(chunks) -> None:
+    chunks[0].register_forward_pre_hook(_forward_started, with_kwargs=True)
+    chunks[0].register_forward_hook(_forward_finished, with_kwargs=True)
+    _FORWARD["rss_before"] = _current_rss_bytes()
+
+
+def _step_end(step, record, chunks) -> None:
+    _STEP_ENDS.append(time.perf_counter())
+    record["extra"]["forward_s"] = _FORWARD["seconds"]
+    _FORWARD["seconds"] = 0.0
+
+
+def _measure(rank, world_size, spec, topology_text, invariant, steps):
+    import megatron_lora_patch
+    from megatron_lora_patch.lora.config import LoraConfig, set_active
+    from megatron_lora_patch.plugin import PATCH_MODULES
+    from megatron_lora_patch.testing.driver import Capture, TrainSettings, train_steps
+    from megatron_lora_patch.testing.topology import Topology
+
+    wanted = set(PATCHES) | ({"tp_invariant"} if invariant else set())
+    megatron_lora_patch.apply(plugins=["lora_correct"], enable={name: name in wanted for name in PATCH_MODULES})
+    set_active(LoraConfig(rank=16, alpha=32.0, b_init="nonzero"))
+    settings = TrainSettings(
+        steps=steps, global_batch_size=4, on_model_built=_time_forwards,
+        capture=Capture(params=None, on_step_end=_step_end),
+    )
+    topology = Topology.parse(topology_text)
+    with topology.world(seed=settings.seed):
+        started = time.perf_counter()
+        record = train_steps(spec, topology, settings)
+    ends = [started] + _STEP_ENDS
+    peak_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - _FORWARD["rss_before"]
+    return {
+        "step_s": [end - begin for begin, end in zip(ends, ends[1:])],
+        "forward_s": [step["extra"]["forward_s"] for step in record["steps"]],
+        "peak_growth_bytes": peak_growth,
+    }
+
+
+def main() -> None:
+    from megatron_lora_patch.testing.models import TinyGPTSpec
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--sp", action="store_true", help="TP=2 with sequence parallelism")
+    options = parser.parse_args()
+    spec = TinyGPTSpec(hidden_size=options.hidden, ffn_hidden_size=2 * options.hidden, num_attention_heads=8,
+                       num_query_groups=4, vocab_size=512, seq_length=options.seq)
+    topology = "tp2-sp" if options.sp else "tp2"
+    results = {}
+    for mode, invariant in (("default", False), ("tp_invariant", True)):
+        ranks = run_world(_measure, 2, args=(spec, topology, invariant, options.warmup + options.steps),
+                          timeout=1200, name=f"{topology} {mode}")
+        timed = slice(options.warmup, None)
+        results[mode] = {
+            "step_s": statistics.median(ranks[0]["step_s"][timed]),
+            "forward_s": statistics.median(ranks[0]["forward_s"][timed]),
+            "peak_mib": max(rank["peak_growth_bytes"] for rank in ranks) / 2**20,
+        }
+    print(f"{topology}, GQA GPT hidden {options.hidden}, seq {options.seq}, LoRA r16 on all linears, "
+          f"global batch 4, {options.steps} timed steps (median, rank 0)")
+    print(f"{'mode':14s} {'step s':>9s} {'forward s':>10s} {'peak RSS growth MiB':>20s}")
+    for mode, figures in results.items():
+        print(f"{mode:14s} {figures['step_s']:9.4f} {figures['forward_s']:10.4f} {figures['peak_mib']:20.1f}")
+    base, invariant = results["default"], results["tp_invariant"]
+    print(f"ratio (tp_invariant / default): step {invariant['step_s'] / base['step_s']:.2f}x, "
+          f"forward {invariant['forward_s'] / base['forward_s']:.2f}x, "
+          f"peak memory growth {invariant['peak_mib'] / max(base['peak_mib'], 1e-9):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
