@@ -160,6 +160,29 @@ def qkv_errors(model, spec: TinyGPTSpec) -> Dict[str, float]:
     return errors
 
 
+def merged_error(model, spec: TinyGPTSpec, topology) -> float:
+    """Logits of the LoRA model vs a model whose base weights absorbed `W + s B A` (logical layout).
+
+    The merge happens on the world-size-1 tensors and is then sharded like any weight, so
+    this checks that every adapter's B rows sit on the base's output rows on every rank
+    (mixed QKV, SwiGLU `[gate_shard; up_shard]`) and A's columns on its input columns.
+    """
+    from megatron_lora_patch.lora.init import logical_factors
+    from megatron_lora_patch.testing.models import logical_state_dict
+
+    merged = logical_state_dict(spec)
+    for name, weight in merged.items():
+        module = name[: -len(".weight")]
+        if module.rsplit(".", 1)[-1] in LORA.targets:
+            lora_a, lora_b = logical_factors(LORA, module, None, weight.shape[1], weight.shape[0])
+            merged[name] = weight + LORA.scale * lora_b @ lora_a
+    plain = build(spec, topology, LoraConfig(rank=4, b_init="zero"), state_dict=merged)  # zero B: no delta
+    tokens, positions, mask, _ = batch(spec)
+    with torch.no_grad():
+        actual, expected = (_gather_last(m(tokens, positions, mask)) for m in (model, plain))
+    return relative_error(actual, expected)
+
+
 def adapter_grads(spec: TinyGPTSpec, topology, lora: LoraConfig, **overrides) -> Dict[str, torch.Tensor]:
     """Adapter grads of one forward+backward of the summed LM loss (RNG reseeded first)."""
     from megatron.core import tensor_parallel
@@ -274,6 +297,7 @@ def dense_world(rank: int, world: int, topology_spec: str, spec_name: str = "DEN
             found["qkv"] = qkv_errors(model, spec)
         if spec_name != "DENSE":
             return found
+        found["merged"] = merged_error(model, spec, topology)
         found["recompute"] = recompute_errors(spec, topology)
         if topology.tp > 1:
             found["masks"] = dropout_masks(spec, topology)

@@ -4,6 +4,7 @@ Each world runs once per module (fixtures) and reports findings (tests/lora_mode
 the tests compare them with world size 1 or with dense recomputes:
 - QKV: q/k/v that Megatron's attention splits from `linear_qkv` equal a dense model with
   separate q/k/v weights and separate LoRA B slices (GQA), world 1 and TP2.
+- Merge: logits equal a model whose logical weights absorbed `W + s B A` (all layouts).
 - Init: the logical adapters assembled from TP2, EP2, PP2 (TP4 slow) shards are bitwise
   the world-size-1 ones, SwiGLU fc1 B (stride 2) and global expert indices included.
 - Freezing: only adapters require grad, sit in Megatron DDP's buffers (experts in the
@@ -81,6 +82,14 @@ def test_qkv_lora_slices_land_on_query_key_value(world, request):
         errors = found["qkv"]
         assert errors.pop("lora_share_of_q") > 0.1, "the LoRA delta is too small for this check to mean anything"
         assert max(errors.values()) <= TOLERANCE, f"{world} rank {rank}: {errors}"
+
+
+@pytest.mark.parametrize("world", ["world1", "tp2"])
+def test_lora_model_equals_merged_weights(world, request):
+    results = request.getfixturevalue(world)
+    for rank, found in enumerate(results if isinstance(results, list) else [results]):
+        # fp32: merging reorders the sums (x (W + sBA)^T vs x W^T + s (x A^T) B^T)
+        assert found["merged"] <= 1e-5, f"{world} rank {rank}: logits differ from the merged model by {found['merged']}"
 
 
 # -- topology-invariant init -----------------------------------------------------------------
