@@ -64,12 +64,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_lora_patch.oracle.harness import OracleSettings, check_topology, run_oracle
+    from megatron_lora_patch.oracle.harness import OracleSettings, check_topology, mutations_named, run_oracle
     from megatron_lora_patch.oracle.mutations import MUTATIONS
     from megatron_lora_patch.testing.topology import Topology
 
     topologies = _select(args.topologies, "--topologies", {"default": DEFAULT_TOPOLOGIES, "all": ALL_TOPOLOGIES})
-    mutations = _select(args.mutations, "--mutations", {"none": (), "all": tuple(MUTATIONS)})
+    mutations = mutations_named(_select(args.mutations, "--mutations", {"none": (), "all": tuple(MUTATIONS)}))
     settings = OracleSettings(
         steps=args.steps, dtype=args.dtype, seed=args.seed, model=args.model,
         tp_invariant=args.tp_invariant, timeout_s=args.timeout,

@@ -82,14 +82,13 @@ def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
 
 
 @contextlib.contextmanager
-def oracle_job(settings: OracleSettings, mutation_name: Optional[str]):
+def oracle_job(settings: OracleSettings, mutation: Optional[Mutation]):
     """Entered in every rank around one run: the oracle's patches, LoRA config and mutation."""
     import torch
 
     import megatron_lora_patch
     from megatron_lora_patch.lora.config import LoraConfig, set_active
 
-    mutation = MUTATIONS[mutation_name] if mutation_name else None
     enable = {
         "cpu_compat": not torch.cuda.is_available(),
         "lora_linear": True,
@@ -124,7 +123,7 @@ def make_job(topology: Topology, settings: OracleSettings, mutation: Optional[Mu
     )
     if mutation is not None and mutation.settings:
         train = dataclasses.replace(train, **mutation.settings)
-    context = functools.partial(oracle_job, settings, mutation.name if mutation else None)
+    context = functools.partial(oracle_job, settings, mutation)
     return Job(spec, topology, train, context=context)
 
 
@@ -169,16 +168,21 @@ def compare(candidate: dict, reference: dict, thresholds: Dict[str, float]) -> D
     return metrics
 
 
-def run_oracle(
-    topologies: Sequence[str], mutations: Sequence[str] = (), settings: OracleSettings = OracleSettings()
-) -> OracleReport:
-    """Run the references, every topology and every mutation; compare; return the report."""
-    started = time.monotonic()
-    unknown = [name for name in mutations if name not in MUTATIONS]
+def mutations_named(names: Sequence[str]) -> List[Mutation]:
+    unknown = [name for name in names if name not in MUTATIONS]
     if unknown:
         raise OracleError(f"unknown mutation {unknown[0]!r}; known: {', '.join(MUTATIONS) or 'none'}")
+    return [MUTATIONS[name] for name in names]
+
+
+def run_oracle(
+    topologies: Sequence[str], mutations: Sequence[Mutation] = (), settings: OracleSettings = OracleSettings()
+) -> OracleReport:
+    """Run the references, every topology and every mutation (each on the topology that
+    exposes it); compare; return the report. A crashed or hung run is a FAIL row."""
+    started = time.monotonic()
     runs = [(Topology.parse(spec), None) for spec in topologies]
-    runs += [(Topology.parse(MUTATIONS[name].topology), MUTATIONS[name]) for name in mutations]
+    runs += [(Topology.parse(mutation.topology), mutation) for mutation in mutations]
     reference_topology = Topology.parse(REFERENCE)
     jobs, specs = [], []
     for topology, mutation in runs:

@@ -1,0 +1,110 @@
+"""The oracle's own invariants: the README command passes on the default matrix and writes
+the documented JSON; a broken canonicalization, a crashed rank and a hung rank each fail clearly."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatron_lora_patch.oracle import canonical, harness
+from megatron_lora_patch.oracle.command import ALL_TOPOLOGIES, DEFAULT_TOPOLOGIES
+from megatron_lora_patch.oracle.mutations import Mutation
+from megatron_lora_patch.oracle.report import OracleReport, TopologyResult
+from megatron_lora_patch.testing.topology import Topology
+
+import oracle_faults
+
+
+def test_oracle_command_default_matrix(tmp_path):
+    """`megatron-lora-patch oracle` (the README's main job): exit 0, table, verdict, JSON report."""
+    report_path = tmp_path / "oracle.json"
+    command = [sys.executable, "-m", "megatron_lora_patch", "oracle", "--json", str(report_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("PASS: ")
+    report = json.loads(report_path.read_text())
+    assert report["passed"] is True
+    assert [t["topology"] for t in report["topologies"]] == list(DEFAULT_TOPOLOGIES)
+    for topology in report["topologies"]:
+        assert topology["world_size"] == Topology.parse(topology["topology"]).world_size
+        assert set(topology["phases"]) == {"forward", "loss", "grads", "grad_norm", "deltas"}
+        for phase in topology["phases"].values():
+            assert phase["passed"] and phase["rel_l2"] <= phase["threshold"]
+            assert phase["per_layer"]
+
+
+@pytest.mark.slow
+def test_full_matrix_matches_world1():
+    assert len(ALL_TOPOLOGIES) >= 20
+    report = harness.run_oracle(ALL_TOPOLOGIES)
+    print(report.table())
+    assert report.passed, report.table()
+
+
+@pytest.fixture(scope="module")
+def sp_records():
+    """Rank records of one tp2-sp run and the world-1 reference (real runs, shared)."""
+    settings = harness.OracleSettings()
+    jobs = [harness.make_job(Topology.parse(spec), settings) for spec in ("tp1", "tp2-sp")]
+    (reference, error_1), (candidate, error_2) = harness._run_isolated(jobs, timeout=600)
+    assert error_1 is None and error_2 is None
+    return jobs[0].spec, reference, candidate
+
+
+def _forward_metrics(spec, reference, candidate):
+    shapes = harness.adapter_shapes(reference)
+    expected = harness.canonical_phases(reference, spec, shapes)
+    actual = harness.canonical_phases(candidate, spec, shapes)
+    return harness.compare(actual, expected, harness.OracleSettings().thresholds)
+
+
+def test_correct_canonicalization_passes(sp_records):
+    metrics = _forward_metrics(*sp_records)
+    assert all(m.passed for m in metrics.values()), {p: m.rel_l2 for p, m in metrics.items()}
+
+
+def test_wrong_sequence_parallel_gather_order_fails(sp_records, monkeypatch):
+    """Placing TP rank r's sequence shard where rank 1-r's belongs must fail the forward phase."""
+    original = canonical._placement
+
+    def swapped(tensor, module, layout, coords):
+        flipped = dict(coords, tp_rank=coords["tp_size"] - 1 - coords["tp_rank"])
+        return original(tensor, module, layout, flipped if module["mode"] == "row" else coords)
+
+    monkeypatch.setattr(canonical, "_placement", swapped)
+    metrics = _forward_metrics(*sp_records)
+    assert not metrics["forward"].passed and metrics["forward"].rel_l2 > 1e-2
+
+
+def test_wrong_column_shard_order_fails(sp_records, monkeypatch):
+    """Treating the gated fc1 output as one contiguous TP cut (not [gate_shard; up_shard]) must fail."""
+    original = canonical._placement
+
+    def ungated(tensor, module, layout, coords):
+        return original(tensor, dict(module, gated=False), layout, coords)
+
+    monkeypatch.setattr(canonical, "_placement", ungated)
+    metrics = _forward_metrics(*sp_records)
+    assert not metrics["forward"].passed
+    assert "linear_fc1" in metrics["forward"].worst_tensor
+
+
+def test_crashed_and_hung_ranks_are_failures_not_hangs():
+    crash = Mutation("crash", "a rank raises", "dp2", install=oracle_faults.crash_on_rank_1)
+    hang = Mutation("hang", "a rank never returns", "dp2", install=oracle_faults.hang_on_rank_1)
+    report = harness.run_oracle([], [crash, hang], harness.OracleSettings(steps=1, timeout_s=30))
+    crashed, hung = report.mutations
+    # Rank 0 may fail too once its peer is gone; the injected traceback must be there.
+    assert re.match(r"world 'dp2': ranks? (0, )?1 failed", crashed.error), crashed.error[:200]
+    assert "injected failure on rank 1" in crashed.error
+    assert "timed out" in hung.error and "rank 1" in hung.error
+    assert crashed.caught and hung.caught  # a mutation that breaks the run is caught, and says so
+    assert [row.split()[-1] for row in report.table().splitlines() if row.startswith(("crash ", "hang "))] == ["caught"] * 2
+    # The same error on a topology run is a FAIL row carrying the traceback.
+    row = TopologyResult("dp2", 2, {}, error=crashed.error)
+    failing = OracleReport(settings={}, topologies=[row])
+    assert not failing.passed and failing.verdict().startswith("FAIL: 0/1 topologies match world-1")
+    assert "injected failure on rank 1" in failing.table()
