@@ -2,7 +2,7 @@
 # The project's test command (README "Run the tests"; .ci/run calls exactly this).
 # Builds two throwaway environments from this checkout and runs pytest in each:
 #   newest supported Megatron-Core (0.16.x): the whole suite (slow matrix too unless SKIP_SLOW=1);
-#   oldest supported Megatron-Core (0.13.x, needs numpy<2): runtime tests + one multi-rank test.
+#   oldest supported Megatron-Core (0.13.x, needs numpy<2): runtime tests + one multi-rank LoRA run.
 # torch is pinned to the local CPU build so no CUDA wheels are downloaded. The package is
 # installed as a wheel (its .pth start-up hook included) and pytest runs as a script, so the
 # checkout directory never shadows the installed package.
@@ -26,6 +26,8 @@ marker=()
 
 echo "== megatron-core 0.13.x: runtime + smoke"
 make_env .venv-test-oldest "megatron-core>=0.13,<0.14" "numpy<2"
-.venv-test-oldest/bin/pytest -m "oldest or not slow" tests/test_runtime.py tests/test_flags.py tests/test_bootstrap.py $(ls tests/test_smoke_*.py 2>/dev/null) || status=$?
+# Runtime, topology, and one multi-rank run through every default patch (tp2-sp LoRA step vs world-1).
+.venv-test-oldest/bin/pytest tests/test_runtime.py tests/test_flags.py tests/test_bootstrap.py tests/test_topology.py \
+  "tests/test_oracle.py::test_correct_canonicalization_passes" || status=$?
 
 exit $status
