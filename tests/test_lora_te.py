@@ -58,8 +58,9 @@ def te_branch_errors(rank: int, world: int, topology_spec: str) -> dict:
         config = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True)
         layers = torch.nn.Module()
         init = torch.nn.init.zeros_
-        layers.linear_fc1 = ColumnParallelLinear(HIDDEN, FFN, config=config, init_method=init, bias=False, gather_output=False, tp_group=group)
-        layers.linear_fc2 = RowParallelLinear(FFN, HIDDEN, config=config, init_method=init, bias=False, input_is_parallel=True, skip_bias_add=False, tp_group=group)
+        common = dict(config=config, init_method=init, bias=False, tp_group=group)
+        layers.linear_fc1 = ColumnParallelLinear(HIDDEN, FFN, gather_output=False, **common)
+        layers.linear_fc2 = RowParallelLinear(FFN, HIDDEN, input_is_parallel=True, skip_bias_add=False, **common)
         lora = LoraConfig(rank=RANK, alpha=8.0, b_init="nonzero", seed=2)
         attach_adapters(layers, lora)
         sp = topology.sp
@@ -76,7 +77,8 @@ def te_branch_errors(rank: int, world: int, topology_spec: str) -> dict:
             if column:  # input: sequence shard (SP) or replicated; output: this rank's columns
                 x_local = seq(x).clone().requires_grad_(True)
                 y = te.column_term(adapter, x_local, sp)
-                y_expected, upstream_local, dx_expected = shard(y_ref, 2, tp_rank, tp), shard(upstream, 2, tp_rank, tp), seq(dx_ref)
+                y_expected, dx_expected = shard(y_ref, 2, tp_rank, tp), seq(dx_ref)
+                upstream_local = shard(upstream, 2, tp_rank, tp)
             else:  # input: this rank's columns; output: reduced (sequence shard under SP)
                 x_local = shard(x, 2, tp_rank, tp).clone().requires_grad_(True)
                 y = te.row_term(adapter, x_local, sp)
@@ -125,8 +127,8 @@ def te_module_errors(rank: int, world: int) -> dict:
         init = torch.nn.init.normal_
         common = dict(config=config, init_method=init, bias=False, skip_bias_add=False, is_expert=False)
         layers = torch.nn.Module()
-        layers.linear_qkv = mte.TELayerNormColumnParallelLinear(HIDDEN, FFN, gather_output=False, skip_weight_param_allocation=False, **common)
-        layers.linear_fc1 = mte.TEColumnParallelLinear(HIDDEN, FFN, gather_output=False, skip_weight_param_allocation=False, **common)
+        layers.linear_qkv = mte.TELayerNormColumnParallelLinear(HIDDEN, FFN, gather_output=False, **common)
+        layers.linear_fc1 = mte.TEColumnParallelLinear(HIDDEN, FFN, gather_output=False, **common)
         layers.linear_fc2 = mte.TERowParallelLinear(FFN, HIDDEN, input_is_parallel=True, **common)
         layers.cuda()
         lora = LoraConfig(rank=RANK, alpha=8.0, b_init="nonzero", seed=2)
@@ -137,9 +139,8 @@ def te_module_errors(rank: int, world: int) -> dict:
             lora_a, lora_b = (t.cuda() for t in logical_factors(lora, name, None, x.shape[-1], upstream.shape[-1]))
             lora_input = x
             if name == "linear_qkv":  # the LoRA input is the layer's own norm output
-                lora_input = torch.nn.functional.layer_norm(
-                    x, (HIDDEN,), module.layer_norm_weight.detach(), module.layer_norm_bias.detach(), config.layernorm_epsilon
-                )
+                norm_weight, norm_bias = module.layer_norm_weight.detach(), module.layer_norm_bias.detach()
+                lora_input = torch.nn.functional.layer_norm(x, (HIDDEN,), norm_weight, norm_bias, config.layernorm_epsilon)
             with torch.no_grad():
                 base = module.weight.detach()
                 y_ref = lora_input @ base.t() + lora.scale * (lora_input @ lora_a.t()) @ lora_b.t()
