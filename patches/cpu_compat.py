@@ -13,7 +13,8 @@ shared/reference/megatron-internals.md):
 - `megatron.core`: `torch.cuda.current_device`/`synchronize`/streams and a
   TorchFunctionMode for `device="cuda"` / `.cuda()` (compat.host_device; global while
   applied, because the call sites are in ~40 modules).
-- `tensor_parallel.random`: tracker add/fork and seeding on the CPU generator.
+- `tensor_parallel.random`: tracker add/fork and seeding on the CPU generator; activation
+  recompute (which runs inside backward, where torch pops function modes) under the host mapping.
 - `transformer.torch_norm`: `WrappedTorchNorm` under SP, params tagged `sequence_parallel`.
 - `tensor_parallel.mappings`: uneven all_gather / list reduce_scatter / list all-to-all splits.
 - `transformer.moe.moe_utils`: `te_general_gemm` defined as None without TE.
@@ -52,10 +53,11 @@ def relocate_cuda_device(patcher, module):
 
 @_only_on_host
 def host_rng_tracker(patcher, module):
-    """CUDA RNG tracker states are CPU generator states."""
-    from megatron_lora_patch.compat import rng
+    """CUDA RNG tracker states are CPU generator states; recompute runs under the host mapping."""
+    from megatron_lora_patch.compat import host_device, rng
 
     rng.install(patcher, module)
+    host_device.install_recompute(patcher, module)
 
 
 @_only_on_host
@@ -120,6 +122,7 @@ SPEC = PatchSpec(
         "torch.cuda:current_device,synchronize,Stream,current_stream,stream",
         "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.add,fork",
         "megatron.core.tensor_parallel.random:model_parallel_cuda_manual_seed",
+        "megatron.core.tensor_parallel.random:CheckpointFunction.backward,CheckpointWithoutOutput._recompute",
         "megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__",
         "megatron.core.tensor_parallel.mappings:_gather_along_first_dim,"
         "_reduce_scatter_along_first_dim,all_to_all",

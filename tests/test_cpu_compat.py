@@ -172,3 +172,31 @@ def test_tp2_sp_fails_without_the_torch_norm_fix():
         run_world(
             tp2_sp_grads, 2, args=("tp2-sp",), kwargs={"skip_hook": "megatron.core.transformer.torch_norm"}, name="tp2-sp"
         )
+
+
+def recompute_allocating_on_cuda(rank: int, world_size: int) -> dict:
+    """Megatron's full and selective recompute of a function that allocates on "cuda"."""
+    from megatron_lora_patch.testing.topology import Topology
+
+    with Topology().world():
+        from megatron.core.tensor_parallel import random
+
+        def scaled(x):
+            return x * torch.full(x.shape, 3.0, device="cuda")
+
+        full = torch.ones(3, requires_grad=True)
+        random.checkpoint(scaled, False, full).sum().backward()
+        selective = torch.ones(3, requires_grad=True)
+        checkpoint = random.CheckpointWithoutOutput(fp8=None)  # as Megatron passes config.fp8 (None)
+        output = checkpoint.checkpoint(scaled, selective)
+        total = (output * 2).sum()
+        checkpoint.discard_output_and_register_recompute(total)
+        total.backward()
+        return {"full": full.grad.tolist(), "selective": selective.grad.tolist()}
+
+
+def test_activation_recompute_runs_on_the_host():
+    """Recompute happens inside backward, where torch pops function modes: the device
+    mapping must still apply there (full and selective recompute)."""
+    grads = run_world(recompute_allocating_on_cuda, 1, name="tp1")[0]
+    assert grads == {"full": [3.0] * 3, "selective": [6.0] * 3}

@@ -137,3 +137,19 @@ def _pop_exactly(mode: HostDeviceMode) -> None:
             "HostDeviceMode and is still active; exit it before reverting the patch"
         )
     mode.__exit__(None, None, None)
+
+
+def recompute_under_host_mode(wrapped, instance, args, kwargs):
+    """Megatron's activation checkpointing re-runs the forward during backward. torch pops
+    function modes while it dispatches `backward`, so without this the recomputed forward
+    (e.g. `get_default_causal_mask`'s `device="cuda"`) would run unmapped."""
+    with HostDeviceMode():
+        return wrapped(*args, **kwargs)
+
+
+def install_recompute(patcher, random_module) -> None:
+    """Recompute paths of `tensor_parallel.random`: full (CheckpointFunction.backward) and
+    selective (CheckpointWithoutOutput._recompute)."""
+    patcher.wrap(random_module.CheckpointFunction, "backward", recompute_under_host_mode)
+    patcher.wrap(random_module.CheckpointWithoutOutput, "_recompute", recompute_under_host_mode)
+
