@@ -195,11 +195,20 @@ def transformer_config(
     return TransformerConfig(**options)
 
 
-def layer_spec(spec: TinyGPTSpec):
-    """Megatron's local (non-TE) GPT layer spec: RMSNorm, SequentialMLP experts for MoE."""
+def layer_spec(spec: TinyGPTSpec, topology: Any = None):
+    """Megatron's local (non-TE) GPT layer spec: RMSNorm, SequentialMLP experts for MoE.
+
+    With cp > 1 the core attention is the testbed's `cp_attention.ContextParallelDotProductAttention`
+    (Megatron's local attention has no CP); world size 1 keeps Megatron's own `DotProductAttention`.
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    layer = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    if getattr(topology, "cp", 1) > 1:
+        from megatron_lora_patch.testing.cp_attention import ContextParallelDotProductAttention
+
+        layer.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention
+    return layer
 
 
 def build_model(
@@ -228,7 +237,7 @@ def build_model(
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec),
+        transformer_layer_spec=layer_spec(spec, topology),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
@@ -237,6 +246,10 @@ def build_model(
         share_embeddings_and_output_weights=spec.tie_embeddings,
         position_embedding_type="rope",
     )
+    if getattr(topology, "cp", 1) > 1:
+        from megatron_lora_patch.testing.cp_attention import enable_rotary_cp_on_host
+
+        enable_rotary_cp_on_host(model)
     chunks = [model]
     shards.load_logical(chunks, state_dict if state_dict is not None else logical_state_dict(spec, seed))
     return chunks
@@ -250,12 +263,14 @@ def _check_parallel_state(topology: Any) -> None:
     expected = {
         "tp": getattr(topology, "tp", 1),
         "pp": getattr(topology, "pp", 1),
+        "cp": getattr(topology, "cp", 1),
         "ep": getattr(topology, "ep", 1),
         "etp": getattr(topology, "etp", 1),
     }
     actual = {
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
         "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "cp": parallel_state.get_context_parallel_world_size(),
         "ep": parallel_state.get_expert_model_parallel_world_size(),
         "etp": parallel_state.get_expert_tensor_parallel_world_size(),
     }

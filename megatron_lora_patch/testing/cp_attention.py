@@ -1,0 +1,168 @@
+"""Context-parallel core attention for the CPU testbed (Megatron's local spec has none).
+
+Megatron-Core's local `DotProductAttention` asserts `context_parallel_size == 1`: only
+Transformer Engine's attention implements CP. So that CP topologies run on CPU + gloo,
+`ContextParallelDotProductAttention` gives the local spec Megatron's CP semantics:
+
+- the sequence is cut into 2*cp equal chunks and CP rank r holds chunks r and
+  2*cp-1-r, in that order (load-balanced causal work; what
+  `megatron.core.utils.get_batch_on_this_cp_rank` gives the data and
+  `get_pos_emb_on_this_cp_rank` gives RoPE);
+- K and V are all-gathered over the CP group with Megatron's
+  `gather_from_sequence_parallel_region` (backward: reduce-scatter of dK / dV, so every
+  rank's queries' contribution reaches the rank that owns the key), then put back in
+  global sequence order;
+- the local queries attend causally, by their global positions, to all keys; the math
+  after that is `DotProductAttention.forward` itself (same softmax scale, the same
+  `-10000` masked fill, GQA repeat of KV heads), so each query row sees exactly the
+  scores world size 1 computes.
+
+Testbed only: it gathers the whole K/V (no ring exchange), which is fine for tiny models.
+It is used only when cp > 1 (world size 1 stays Megatron's own `DotProductAttention`, so the
+reference is Megatron's). With Transformer Engine on a GPU, use the TE spec: its
+`TEDotProductAttention` is Megatron's real CP attention. Attention dropout must be 0 for a
+CP run to equal world size 1 (the dropout masks are drawn per rank-local score block).
+
+`enable_rotary_cp_on_host(model)` lets Megatron's RoPE CP slicing run on a host without
+CUDA (its index tensor is created with `pin_memory=True`, which needs an accelerator).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+__all__ = ["ContextParallelDotProductAttention", "cp_chunk_positions", "enable_rotary_cp_on_host"]
+
+
+def cp_chunk_positions(seq_length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Global positions CP rank `cp_rank` holds, in local order: chunks r and 2*cp-1-r of 2*cp."""
+    if seq_length % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_length} is not divisible by 2*cp = {2 * cp_size}")
+    chunk = seq_length // (2 * cp_size)
+    first, second = cp_rank, 2 * cp_size - 1 - cp_rank
+    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk), torch.arange(second * chunk, (second + 1) * chunk)])
+
+
+class ContextParallelDotProductAttention(DotProductAttention):
+    """`DotProductAttention` for cp > 1: local queries against CP-gathered K/V (see module doc).
+
+    Takes the constructor arguments of `DotProductAttention` (the spec builds it the same way).
+    Not supported (raises): packed sequences (THD), sliding-window attention.
+    """
+
+    def __init__(self, config, *args, **kwargs):
+        if getattr(config, "window_size", None) is not None:
+            raise NotImplementedError(
+                "ContextParallelDotProductAttention does not support sliding-window attention; "
+                "use the Transformer Engine spec for windowed CP attention"
+            )
+        # DotProductAttention asserts cp == 1; everything it derives from the config is
+        # per-head math that CP does not change. Megatron's SelfAttention builds its core
+        # attention from an adjusted config copy the same way (num_query_groups < tp).
+        single_rank_view = copy.copy(config)
+        single_rank_view.context_parallel_size = 1
+        super().__init__(single_rank_view, *args, **kwargs)
+        self.config = config
+        cp_group = getattr(kwargs.get("pg_collection"), "cp", None)
+        self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        """query/key/value: [s/cp, b, heads, dim] in CP-local order; returns [s/cp, b, hidden]."""
+        if packed_seq_params is not None:
+            raise NotImplementedError(
+                "ContextParallelDotProductAttention does not support packed sequences (THD); "
+                "use the Transformer Engine spec for packed CP attention"
+            )
+        global_key = self.gather_sequence(key)
+        global_value = self.gather_sequence(value)
+        if attention_mask is None:
+            attention_mask = self.causal_mask(query.size(0), query.device)
+        # A given mask was cut by get_batch_on_this_cp_rank on its query dim only: its key
+        # dim is already in global order, like the gathered K/V.
+        return super().forward(
+            query, global_key, global_value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+        )
+
+    @property
+    def cp_size(self) -> int:
+        return torch.distributed.get_world_size(self.cp_group)
+
+    @property
+    def cp_rank(self) -> int:
+        return torch.distributed.get_rank(self.cp_group)
+
+    def gather_sequence(self, local: torch.Tensor) -> torch.Tensor:
+        """[s/cp, ...] CP-local chunks -> [s, ...] in global order."""
+        return self.to_global_order(self.all_gather(local))
+
+    def all_gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Rank blocks concatenated in CP rank order; backward reduce-scatters the grad.
+
+        The reduce-scatter sums, for the keys this rank owns, the grads from every rank's
+        queries (a key is attended by queries on all CP ranks).
+        """
+        return gather_from_sequence_parallel_region(local, tensor_parallel_output_grad=True, group=self.cp_group)
+
+    def to_global_order(self, gathered: torch.Tensor) -> torch.Tensor:
+        """Reorder rank blocks [r0: chunks 0, 2cp-1 | r1: chunks 1, 2cp-2 | ...] to positions 0..s-1."""
+        seq_length = gathered.size(0)
+        positions = torch.cat([cp_chunk_positions(seq_length, self.cp_size, rank) for rank in range(self.cp_size)])
+        return gathered.index_select(0, torch.argsort(positions).to(gathered.device))
+
+    def causal_mask(self, local_length: int, device: torch.device) -> torch.Tensor:
+        """[1, 1, s/cp, s] bool, True = masked: key position > the local query's global position.
+
+        World size 1 masks `triu(ones(s, s), diagonal=1)` (`get_default_causal_mask`); these are
+        its rows for this rank's query positions.
+        """
+        seq_length = local_length * self.cp_size
+        query_positions = cp_chunk_positions(seq_length, self.cp_size, self.cp_rank)
+        key_positions = torch.arange(seq_length)
+        mask = key_positions.unsqueeze(0) > query_positions.unsqueeze(1)
+        return mask.view(1, 1, local_length, seq_length).to(device)
+
+
+class _PinnedMemoryOnHost(TorchFunctionMode):
+    """Drops `pin_memory=True` (a transfer hint that needs an accelerator); values are unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        return func(*args, **kwargs)
+
+
+def enable_rotary_cp_on_host(model: torch.nn.Module) -> None:
+    """Let `model.rotary_pos_emb` take its CP slice on a host without CUDA (no-op with CUDA).
+
+    Megatron's `RotaryEmbedding.forward` already selects this rank's chunks under CP
+    (`get_pos_emb_on_this_cp_rank`), but builds the chunk index with `pin_memory=True`,
+    which raises without an accelerator. Only this model instance's RoPE call changes.
+    """
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is None or torch.cuda.is_available():
+        return
+    megatron_forward = rotary.forward
+
+    def forward(*args, **kwargs):
+        with _PinnedMemoryOnHost():
+            return megatron_forward(*args, **kwargs)
+
+    rotary.forward = forward
