@@ -258,16 +258,29 @@ def ddp_average_on_top(patcher: Patcher) -> None:
     patcher.wrap(param_and_grad_buffer._ParamAndGradBuffer, "__init__", _scaled_by_dp_size)
 
 
+def _optimized_with_model_params(optimizer) -> Iterator[Tuple[Any, Any]]:
+    """(model param, the param whose grad the norm reads): the fp32 main copy under bf16/fp16,
+    which does not carry the adapter metadata."""
+    if hasattr(optimizer, "float16_groups"):
+        for model_group, main_group in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups):
+            yield from zip(model_group, main_group)
+        for group in optimizer.fp32_from_fp32_groups:
+            yield from ((param, param) for param in group)
+    else:
+        yield from ((param, param) for param in optimizer.get_parameters())
+
+
 def _replicated_counted_on_every_rank(wrapped, instance, args, kwargs):
     """Grad-norm inputs as if replicated factors carried `tensor_model_parallel=True`."""
     from megatron_lora_patch.lora.metadata import adapter_info
 
     grads = wrapped(*args, **kwargs)
     counted = {id(grad) for grad in grads}
-    for param in instance.get_parameters():
-        info = adapter_info(param)
-        if info is not None and info.replicated and param.grad is not None and id(param.grad) not in counted:
-            grads.append(param.grad)
+    for model_param, main_param in _optimized_with_model_params(instance):
+        info = adapter_info(model_param)
+        grad = main_param.grad
+        if info is not None and info.replicated and grad is not None and id(grad) not in counted:
+            grads.append(grad)
     return grads
 
 

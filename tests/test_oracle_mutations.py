@@ -1,0 +1,92 @@
+"""Every sensitivity mutation is caught by the oracle on the topology that exposes it.
+
+All 2-rank mutations run in ONE `run_oracle` call (one world-1 reference per model, one
+2-rank world for every mutation), followed in the same world by a control run that
+changes nothing: it must match world-1, so every mutation's patcher and patch toggles
+were undone before the next job (a leak would make later mutations look "caught").
+4-rank variants, where a bug's domain differs from a neighbouring one (expert-TP vs TP,
+DP vs DP x CP, expert-DP vs dense DP), are marked slow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+
+import pytest
+
+from megatron_lora_patch.oracle import harness
+from megatron_lora_patch.oracle.mutations import MUTATIONS, Mutation
+from megatron_lora_patch.testing.topology import Topology
+
+#: A caught mutation must clear its worst threshold by this factor (a bug is never a close call).
+MIN_RATIO = 100.0
+CONTROL = Mutation("control_no_change", "No bug: the oracle's own patches only (checks that mutations revert).", "tp2")
+TWO_RANK = [mutation for mutation in MUTATIONS.values() if Topology.parse(mutation.topology).world_size == 2]
+
+#: Same bugs where their domain differs from a neighbouring one (4 ranks each).
+SLOW_VARIANTS = {
+    "skip_expert_tp_sum": "ep2-etp2",  # expert-TP is not the dense TP group (tp1)
+    "full_output_on_partial_sum_expert_path": "ep2-etp2",
+    "expert_grads_over_dense_dp": "dp4-ep2",  # expert-DP (2 ranks) inside dense DP (4 ranks)
+    "local_token_normalization": "dp2-cp2",
+    "cp_token_count_dp_only": "dp2-cp2",  # the DP-only count is not the rank-local one here
+    "skip_tp_sum_row_b": "tp2-pp2",
+}
+
+
+def _by_name(report) -> dict:
+    return {result.name: result for result in report.mutations}
+
+
+def _assert_caught(result) -> None:
+    phases = {phase: f"{metrics.rel_l2:.3g} (threshold {metrics.threshold:g})" for phase, metrics in result.phases.items()}
+    assert result.error is None, f"{result.name} crashed the run instead of changing numbers:\n{result.error}"
+    assert result.caught, f"{result.name} on {result.topology} was NOT caught: {phases}"
+    assert result.worst_ratio >= MIN_RATIO, f"{result.name} caught only narrowly: {phases}"
+
+
+def test_registry_is_well_formed():
+    """Names, topologies that fit the mutation's model, one-sentence bugs, picklable mutations."""
+    assert len(MUTATIONS) >= 16
+    for name, mutation in MUTATIONS.items():
+        assert mutation.name == name
+        assert mutation.model in ("dense", "moe")
+        topology = Topology.parse(mutation.topology)
+        harness.check_topology(topology, harness.OracleSettings(model=mutation.model))
+        assert topology.world_size <= 4, f"{name}: the testbed exposes every bug with at most 4 ranks"
+        assert mutation.bug.endswith(".") and mutation.bug.count(". ") == 0, f"{name}: bug is one sentence"
+        assert mutation.install or mutation.settings or mutation.patches or mutation.lora, f"{name} changes nothing"
+        assert pickle.loads(pickle.dumps(mutation)) == mutation  # shipped to spawned ranks
+
+
+@pytest.fixture(scope="module")
+def two_rank_report():
+    report = harness.run_oracle([], TWO_RANK + [CONTROL], harness.OracleSettings())
+    print(report.table())
+    return _by_name(report)
+
+
+@pytest.mark.parametrize("name", [mutation.name for mutation in TWO_RANK])
+def test_mutation_is_caught(two_rank_report, name):
+    _assert_caught(two_rank_report[name])
+
+
+def test_control_after_all_mutations_matches_world1(two_rank_report):
+    control = two_rank_report[CONTROL.name]
+    assert control.error is None, control.error
+    assert not control.caught, {phase: metrics.rel_l2 for phase, metrics in control.phases.items()}
+
+
+@pytest.mark.slow
+def test_mutations_caught_on_four_rank_topologies():
+    variants = [dataclasses.replace(MUTATIONS[name], topology=topology) for name, topology in SLOW_VARIANTS.items()]
+    control = dataclasses.replace(CONTROL, topology="ep2-etp2", model="moe")
+    report = harness.run_oracle([], variants + [control], harness.OracleSettings())
+    print(report.table())
+    results = _by_name(report)
+    for variant in variants:
+        _assert_caught(results[variant.name])
+    assert results[control.name].error is None and not results[control.name].caught
+    assert not math.isnan(results[control.name].worst_ratio)
