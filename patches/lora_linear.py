@@ -35,6 +35,24 @@ def _patch_layers(patcher, layers) -> None:
     patcher.wrap(layers.RowParallelLinear, "forward", layer_forward)
 
 
+def _copy_adapter_metadata(wrapped, instance, args, kwargs):
+    """Megatron's mixed-precision optimizers copy a param's TP attributes onto its fp32 main
+    copy; the adapter metadata travels with them, because grad-norm code reads it there."""
+    from megatron_lora_patch.lora.metadata import adapter_info, tag
+
+    result = wrapped(*args, **kwargs)
+    destination, source = (list(args) + [kwargs.get("destination_tensor"), kwargs.get("source_tensor")])[:2]
+    info = adapter_info(source)
+    if info is not None:
+        tag(destination, info)
+    return result
+
+
+def _patch_tensor_parallel(patcher, tensor_parallel) -> None:
+    # The optimizers call it as `tensor_parallel.copy_tensor_model_parallel_attributes`.
+    patcher.wrap(tensor_parallel, "copy_tensor_model_parallel_attributes", _copy_adapter_metadata)
+
+
 def _attach_after_init(wrapped, instance, args, kwargs):
     from megatron_lora_patch.lora.attach import attach_adapters
 
@@ -74,6 +92,7 @@ SPEC = PatchSpec(
     summary="LoRA adapters on Column/RowParallelLinear riding the base layer's collectives; base frozen",
     hooks={
         "megatron.core.tensor_parallel.layers": _patch_layers,
+        "megatron.core.tensor_parallel": _patch_tensor_parallel,
         "megatron.core.models.gpt.gpt_model": _patch_gpt_model,
         "megatron.core.transformer.transformer_block": _patch_transformer_block,
         "megatron.core.extensions.transformer_engine": _patch_transformer_engine,
@@ -85,6 +104,7 @@ SPEC = PatchSpec(
         "megatron.core.tensor_parallel.layers:linear_with_grad_accumulation_and_async_allreduce",
         "megatron.core.tensor_parallel.layers:ColumnParallelLinear.forward",
         "megatron.core.tensor_parallel.layers:RowParallelLinear.forward",
+        "megatron.core.tensor_parallel:copy_tensor_model_parallel_attributes",
         "megatron.core.models.gpt.gpt_model:GPTModel.__init__",
         "megatron.core.transformer.transformer_block:TransformerBlock._checkpointed_forward",
         "megatron.core.extensions.transformer_engine:TELinear.forward",

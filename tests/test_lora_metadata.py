@@ -1,0 +1,29 @@
+"""Adapter metadata follows the param wherever Megatron copies its TP attributes."""
+
+import torch
+
+from megatron_lora_patch import runtime
+from megatron_lora_patch.lora.metadata import AdapterParamInfo, adapter_info, tag
+from megatron_lora_patch.plugin import PATCH_MODULES
+
+
+def test_fp32_main_copy_keeps_adapter_metadata():
+    """Float16Optimizer builds main params with tensor_parallel.copy_tensor_model_parallel_attributes."""
+    import megatron.core.tensor_parallel as tensor_parallel
+
+    registry = runtime.Runtime()
+    registry.apply(["lora_correct"], enable={name: name == "lora_linear" for name in PATCH_MODULES})
+    try:
+        factor = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.bfloat16))
+        info = AdapterParamInfo("decoder.layers.0.mlp.experts.linear_fc2", "B", True, "expert_tp", None, True)
+        tag(factor, info)
+        main = factor.detach().float()
+        tensor_parallel.copy_tensor_model_parallel_attributes(main, factor)
+        assert adapter_info(main) is info
+        plain = torch.nn.Parameter(torch.zeros(2))
+        tensor_parallel.copy_tensor_model_parallel_attributes(torch.zeros(2), plain)  # non-adapters untouched
+    finally:
+        registry.revert()
+    reverted = torch.zeros(2, 3)
+    tensor_parallel.copy_tensor_model_parallel_attributes(reverted, factor)
+    assert adapter_info(reverted) is None
