@@ -25,8 +25,8 @@ What it changes (`megatron_lora_patch.invariant` holds the math):
 Not covered (they raise): MoE experts, pipeline parallelism, the distributed optimizer,
 LoRA dropout, label smoothing, deferred embedding wgrad. Not covered (warned once): trainable
 norm weights under SP (full training), whose grads stay per-rank partial sums; LoRA freezes
-them. Transformer Engine linears/norms are not routed through this path (local specs only). Megatron-Core >= 0.14, where
-`_forward_impl` is a method (0.12/0.13 reassign it per instance on every forward).
+them. Transformer Engine linears/norms are not routed through this path (local specs only).
+Megatron-Core >= 0.14, where `_forward_impl` is a method (0.12/0.13 reassign it per instance on every forward).
 """
 
 from __future__ import annotations
