@@ -14,7 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_lora_patch import versions
+from megatron_lora_patch.patches.tp_invariant import SPEC
 from megatron_lora_patch.testing.launcher import run_world
+
+_OUT_OF_RANGE = versions.out_of_range_reason(SPEC.name, SPEC.versions, versions.installed_megatron_core())
+pytestmark = pytest.mark.skipif(bool(_OUT_OF_RANGE), reason=f"tp_invariant does not apply here: {_OUT_OF_RANGE}")
 
 STEPS = 3
 BASE_PATCHES = ("cpu_compat", "lora_linear", "finalize_grads", "loss_normalization")
