@@ -43,27 +43,58 @@ class AdapterCheckpointError(ValueError):
     """An adapter checkpoint does not fit the model (the message is one line)."""
 
 
+def _data_parallel_rank(metadata: Optional[dict]) -> int:
+    """Rank in the DP x CP group: from `metadata` (Megatron-Core >= 0.14 passes it) or parallel_state."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_pg_rank
+
+    group = (metadata or {}).get("dp_cp_group")
+    if group is not None:
+        return get_pg_rank(group)
+    return parallel_state.get_data_parallel_rank(with_context_parallel=True)
+
+
+def _swiglu_factory(sharded: Any, sharded_offsets: tuple, metadata: Optional[dict]) -> Any:
+    """Megatron's fc1 swiglu factory (its `singleton_local_shards` argument exists from 0.14 on)."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    if "singleton_local_shards" in inspect.signature(apply_swiglu_sharded_factory).parameters:
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        return apply_swiglu_sharded_factory(sharded, sharded_offsets, singleton)
+    return apply_swiglu_sharded_factory(sharded, sharded_offsets)
+
+
 def adapter_sharded_state_dict(
     adapter: LoraAdapter, prefix: str, sharded_offsets: tuple = (), metadata: Optional[dict] = None
 ) -> Dict[str, Any]:
-    """`{prefix}A` and `{prefix}B` as ShardedTensors (or a SwiGLU factory) with their true sharding."""
-    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
-    from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
+    """`{prefix}A` and `{prefix}B` as ShardedTensors (or a SwiGLU factory) with their true sharding.
 
-    metadata = ensure_metadata_has_dp_cp_group(metadata)
-    groups = dict(tp_group=adapter.tp_group, dp_cp_group=metadata["dp_cp_group"])
+    Built with `ShardedTensor.from_rank_offsets` on the adapter's own TP group (the
+    expert-TP group for expert linears) so it reads the same on every supported
+    Megatron-Core; replica ids are `(pipeline, tp, dp)` like Megatron's helpers make them.
+    """
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.utils import get_pg_rank, get_pg_size
+
+    tp_rank, tp_size = get_pg_rank(adapter.tp_group), get_pg_size(adapter.tp_group)
+    dp_rank = _data_parallel_rank(metadata)
+    prepend = len(sharded_offsets)
     sharded_factor, axis = ("B", 0) if adapter.parallel_mode == "column" else ("A", 1)
     entries: Dict[str, Any] = {}
     for factor in ("A", "B"):
         key, tensor = f"{prefix}{factor}", getattr(adapter, factor)
         if factor != sharded_factor:
-            entries[key] = make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets=sharded_offsets, **groups)
+            # Same values on every rank of the TP domain: only TP rank 0 (and DP rank 0) writes it.
+            entries[key] = ShardedTensor.from_rank_offsets(
+                key, tensor, *sharded_offsets, replica_id=(0, tp_rank, dp_rank), prepend_axis_num=prepend
+            )
             continue
-        sharded = make_tp_sharded_tensor_for_checkpoint(tensor, key, axis, prepend_offsets=sharded_offsets, **groups)
+        sharded = ShardedTensor.from_rank_offsets(
+            key, tensor, *sharded_offsets, (axis + prepend, tp_rank, tp_size),
+            replica_id=(0, 0, dp_rank), prepend_axis_num=prepend,
+        )
         if getattr(tensor, "partition_stride", 1) == 2:  # SwiGLU fc1: [gate_shard; up_shard]
-            singleton = (metadata or {}).get("singleton_local_shards", False)
-            sharded = apply_swiglu_sharded_factory(sharded, sharded_offsets, singleton)
+            sharded = _swiglu_factory(sharded, sharded_offsets, metadata)
         entries[key] = sharded
     return entries
 
