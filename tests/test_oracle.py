@@ -108,3 +108,18 @@ def test_crashed_and_hung_ranks_are_failures_not_hangs():
     failing = OracleReport(settings={}, topologies=[row])
     assert not failing.passed and failing.verdict().startswith("FAIL: 0/1 topologies match world-1")
     assert "injected failure on rank 1" in failing.table()
+
+
+def test_tp_invariant_oracle_is_bitwise_and_refuses_what_it_cannot_do():
+    settings = harness.OracleSettings(tp_invariant=True)
+    report = harness.run_oracle(["tp2-sp"], [], settings)
+    (row,) = report.topologies
+    assert report.passed and {phase: m.rel_l2 for phase, m in row.phases.items()} == dict.fromkeys(row.phases, 0.0)
+    for spec, message in (
+        ("dp2", "--tp-invariant supports tensor parallelism (with or without sp) only"),
+        ("tp2-ep2-sp", "--tp-invariant supports the dense model only"),
+    ):
+        with pytest.raises(harness.OracleError, match=re.escape(message)):
+            harness.check_topology(Topology.parse(spec), settings)
+    with pytest.raises(harness.OracleError, match="--tp-invariant runs without mutations"):
+        harness.run_oracle(["tp2"], [Mutation("m", "bug", "tp2")], settings)

@@ -94,7 +94,7 @@ def _is_cuda(device: Any) -> bool:
 
 
 class HostDeviceMode(TorchFunctionMode):
-    """Maps CUDA device arguments to the CPU; `Tensor.cuda()` returns the tensor itself.
+    """Maps CUDA device arguments to the CPU, drops `pin_memory`; `Tensor.cuda()` returns the tensor itself.
 
     Only the device changes, never dtype or values, so numerics are untouched.
     """
@@ -105,6 +105,8 @@ class HostDeviceMode(TorchFunctionMode):
             return args[0]
         if _is_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": _HOST}
+        if kwargs.get("pin_memory"):  # a transfer hint that needs an accelerator (RoPE's CP index)
+            kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], _HOST, *args[2:])
         return func(*args, **kwargs)

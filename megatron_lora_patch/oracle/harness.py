@@ -72,6 +72,13 @@ def model_for(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
 def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
     """The model this topology runs, or one OracleError saying why it cannot run."""
     spec = model_for(topology, settings)
+    if settings.dtype == "bf16" and not _cuda_available():
+        raise OracleError(
+            "--dtype bf16 needs CUDA: Megatron's mixed-precision optimizer only wraps CUDA tensors; "
+            "run it on a GPU machine, or use --dtype fp32 here"
+        )
+    if settings.tp_invariant and spec.is_moe:
+        raise OracleError("--tp-invariant supports the dense model only; use --model dense or auto without ep/etp")
     if settings.tp_invariant and any(size > 1 for size in (topology.pp, topology.dp, topology.cp, topology.ep, topology.etp)):
         raise OracleError(
             f"--tp-invariant supports tensor parallelism (with or without sp) only; {topology} also uses "
@@ -79,6 +86,12 @@ def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
         )
     topology.validate(num_experts=spec.num_experts, num_layers=spec.num_layers, seq_length=spec.seq_length)
     return spec
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @contextlib.contextmanager
@@ -181,6 +194,8 @@ def run_oracle(
     """Run the references, every topology and every mutation (each on the topology that
     exposes it); compare; return the report. A crashed or hung run is a FAIL row."""
     started = time.monotonic()
+    if settings.tp_invariant and mutations:
+        raise OracleError("--tp-invariant runs without mutations: they re-introduce bugs the invariant mode bypasses")
     runs = [(Topology.parse(spec), None) for spec in topologies]
     runs += [(Topology.parse(mutation.topology), mutation) for mutation in mutations]
     reference_topology = Topology.parse(REFERENCE)

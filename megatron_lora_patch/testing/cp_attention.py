@@ -23,8 +23,8 @@ reference is Megatron's). With Transformer Engine on a GPU, use the TE spec: its
 `TEDotProductAttention` is Megatron's real CP attention. Attention dropout must be 0 for a
 CP run to equal world size 1 (the dropout masks are drawn per rank-local score block).
 
-`enable_rotary_cp_on_host(model)` lets Megatron's RoPE CP slicing run on a host without
-CUDA (its index tensor is created with `pin_memory=True`, which needs an accelerator).
+Megatron's RoPE already takes this rank's CP slice (`get_pos_emb_on_this_cp_rank`); its
+`pin_memory=True` index tensor is made host-safe by the `cpu_compat` device mapping.
 """
 
 from __future__ import annotations
@@ -33,13 +33,12 @@ import copy
 from typing import Optional
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-__all__ = ["ContextParallelDotProductAttention", "cp_chunk_positions", "enable_rotary_cp_on_host"]
+__all__ = ["ContextParallelDotProductAttention", "cp_chunk_positions"]
 
 
 def cp_chunk_positions(seq_length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -137,32 +136,3 @@ class ContextParallelDotProductAttention(DotProductAttention):
         key_positions = torch.arange(seq_length)
         mask = key_positions.unsqueeze(0) > query_positions.unsqueeze(1)
         return mask.view(1, 1, local_length, seq_length).to(device)
-
-
-class _PinnedMemoryOnHost(TorchFunctionMode):
-    """Drops `pin_memory=True` (a transfer hint that needs an accelerator); values are unchanged."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if kwargs.get("pin_memory"):
-            kwargs = {**kwargs, "pin_memory": False}
-        return func(*args, **kwargs)
-
-
-def enable_rotary_cp_on_host(model: torch.nn.Module) -> None:
-    """Let `model.rotary_pos_emb` take its CP slice on a host without CUDA (no-op with CUDA).
-
-    Megatron's `RotaryEmbedding.forward` already selects this rank's chunks under CP
-    (`get_pos_emb_on_this_cp_rank`), but builds the chunk index with `pin_memory=True`,
-    which raises without an accelerator. Only this model instance's RoPE call changes.
-    """
-    rotary = getattr(model, "rotary_pos_emb", None)
-    if rotary is None or torch.cuda.is_available():
-        return
-    megatron_forward = rotary.forward
-
-    def forward(*args, **kwargs):
-        with _PinnedMemoryOnHost():
-            return megatron_forward(*args, **kwargs)
-
-    rotary.forward = forward

@@ -246,10 +246,6 @@ def build_model(
         share_embeddings_and_output_weights=spec.tie_embeddings,
         position_embedding_type="rope",
     )
-    if getattr(topology, "cp", 1) > 1:
-        from megatron_lora_patch.testing.cp_attention import enable_rotary_cp_on_host
-
-        enable_rotary_cp_on_host(model)
     chunks = [model]
     shards.load_logical(chunks, state_dict if state_dict is not None else logical_state_dict(spec, seed))
     return chunks
