@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lora_model_worker import relative_error
 from megatron_lora_patch.testing.launcher import run_world
 from megatron_lora_patch.testing.topology import Topology
 
@@ -23,11 +24,6 @@ TOLERANCE = 1e-6
 
 def _logical(seed: int, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert actual.shape == expected.shape, (tuple(actual.shape), tuple(expected.shape))
-    return (actual.detach() - expected).abs().max().item() / expected.abs().max().item()
 
 
 def _dense_lora(x, lora_a, lora_b, scale, upstream):
@@ -86,10 +82,10 @@ def te_branch_errors(rank: int, world: int, topology_spec: str) -> dict:
             (y * upstream_local).sum().backward()
             grad_a, grad_b = adapter.A.grad.clone(), adapter.B.grad.clone()
             torch.distributed.all_reduce(grad_a if column else grad_b, group=group)  # the finalize_grads SUM
-            errors[f"{name}.y"] = _relative_error(y, y_expected)
-            errors[f"{name}.dx"] = _relative_error(x_local.grad, dx_expected)
-            errors[f"{name}.dA"] = _relative_error(grad_a, da_ref if column else shard(da_ref, 1, tp_rank, tp))
-            errors[f"{name}.dB"] = _relative_error(grad_b, shard(db_ref, 0, tp_rank, tp) if column else db_ref)
+            errors[f"{name}.y"] = relative_error(y, y_expected)
+            errors[f"{name}.dx"] = relative_error(x_local.grad, dx_expected)
+            errors[f"{name}.dA"] = relative_error(grad_a, da_ref if column else shard(da_ref, 1, tp_rank, tp))
+            errors[f"{name}.dB"] = relative_error(grad_b, shard(db_ref, 0, tp_rank, tp) if column else db_ref)
     return errors
 
 
@@ -148,9 +144,9 @@ def te_module_errors(rank: int, world: int) -> dict:
             y, _ = module(x)
             (y * upstream).sum().backward()
             _, _, da_ref, db_ref = _dense_lora(lora_input, lora_a, lora_b, lora.scale, upstream)
-            errors[f"{name}.y"] = _relative_error(y, y_ref)
-            errors[f"{name}.dA"] = _relative_error(module.lora.A.grad, da_ref)
-            errors[f"{name}.dB"] = _relative_error(module.lora.B.grad, db_ref)
+            errors[f"{name}.y"] = relative_error(y, y_ref)
+            errors[f"{name}.dA"] = relative_error(module.lora.A.grad, da_ref)
+            errors[f"{name}.dB"] = relative_error(module.lora.B.grad, db_ref)
             errors[f"{name}.base_frozen"] = float(module.weight.grad is not None)
     return errors
 
