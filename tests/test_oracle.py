@@ -123,3 +123,24 @@ def test_tp_invariant_oracle_is_bitwise_and_refuses_what_it_cannot_do():
             harness.check_topology(Topology.parse(spec), settings)
     with pytest.raises(harness.OracleError, match="--tp-invariant runs without mutations"):
         harness.run_oracle(["tp2"], [Mutation("m", "bug", "tp2")], settings)
+
+
+def test_moe_routing_equals_world1_and_a_flip_is_named():
+    """Every router decision of every step is captured in world-1 layout and compared exactly."""
+    settings = harness.OracleSettings()
+    jobs = [harness.make_job(Topology.parse(spec), settings) for spec in ("tp1", "ep2")]
+    jobs[0] = harness.make_job(Topology.parse("tp1"), harness.settings_for(jobs[1].spec, settings))
+    (reference, error_1), (candidate, error_2) = harness._run_isolated(jobs, timeout=600)
+    assert error_1 is None and error_2 is None
+    expected, actual = harness.routing_maps(reference), harness.routing_maps(candidate)
+    spec = jobs[1].spec
+    microbatches = 8  # TrainSettings.global_batch_size / micro_batch_size
+    assert len(expected) == settings.steps * spec.num_layers * microbatches
+    assert all(t.shape == (spec.seq_length, 1, spec.num_experts) for t in expected.values())
+    assert canonical.routing_divergence(actual, expected) == ""
+    key = sorted(actual)[0]
+    flipped = dict(actual, **{key: actual[key].clone()})
+    flipped[key][3, 0] = 1.0 - flipped[key][3, 0]
+    assert canonical.routing_divergence(flipped, expected) == (
+        f"MoE routing diverged from world-1, so no comparison is meaningful: {key} (1 tokens)"
+    )

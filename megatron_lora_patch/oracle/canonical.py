@@ -10,7 +10,10 @@ rank records about itself (`rank_layout`):
 - microbatches: microbatch m of DP rank r is global microbatch m*dp + r;
 - pipeline: a module lives on one stage only, under its global layer index.
 Expert linears are not compared here: which tokens reach an expert depends on routing
-and dispatch; their effect is compared through losses, grads and deltas.
+and dispatch; their effect is compared through losses, grads and deltas. The routers'
+decisions are canonicalized the same way (a router sees the tokens a row-parallel output
+holds) and must equal world-1's exactly: a flipped top-k choice would make every later
+comparison meaningless, so the harness fails the topology loudly instead.
 """
 
 from __future__ import annotations
@@ -22,36 +25,53 @@ import torch
 from megatron_lora_patch.testing.shards import Shard
 
 
-def is_adapted_dense_linear(name: str, module: torch.nn.Module) -> bool:
-    """Forward-capture predicate: a non-expert parallel linear that carries a LoRA adapter."""
+LINEAR, ROUTING = "linear", "routing"
+
+
+def is_adapted_dense_linear(module: torch.nn.Module) -> bool:
+    """A non-expert parallel linear that carries a LoRA adapter."""
     from megatron_lora_patch.lora.linear import adapter_of
 
     return adapter_of(module) is not None and not getattr(module, "is_expert", False)
 
 
-def rank_layout(model: torch.nn.Module, seq_length: int) -> dict:
+def _is_router(module: torch.nn.Module) -> bool:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return isinstance(module, TopKRouter)
+
+
+def is_captured(name: str, module: torch.nn.Module) -> bool:
+    """Forward-capture predicate: adapted dense linears and MoE routers."""
+    return is_adapted_dense_linear(module) or _is_router(module)
+
+
+def rank_layout(model: torch.nn.Module, seq_length: int, micro_batch_size: int) -> dict:
     """What the parent needs to place this rank's forward captures (recorded in the rank)."""
+    from megatron_lora_patch.lora.attach import canonical_modules
     from megatron_lora_patch.lora.linear import adapter_of
     from megatron_lora_patch.testing.data import cp_sequence_positions
 
+    canonical = {id(module): name for name, _, module, _ in canonical_modules(model)}
     modules = {}
     for name, module in model.named_modules():
-        if is_adapted_dense_linear(name, module):
+        if is_adapted_dense_linear(module):
             adapter = adapter_of(module)
-            modules[name] = {
-                "name": adapter.module_name,
-                "mode": adapter.parallel_mode,
-                "gated": getattr(adapter.B, "partition_stride", 1) == 2,
-            }
+            gated = getattr(adapter.B, "partition_stride", 1) == 2
+            modules[name] = {"name": adapter.module_name, "mode": adapter.parallel_mode, "gated": gated, "kind": LINEAR}
+        elif _is_router(module):  # routers see the tokens a row-parallel output holds
+            modules[name] = {"name": canonical[id(module)], "mode": "row", "gated": False, "kind": ROUTING}
     return {
         "modules": modules,
         "sequence_parallel": bool(model.config.sequence_parallel),
         "cp_positions": cp_sequence_positions(seq_length).tolist(),
+        "micro_batch_size": micro_batch_size,
     }
 
 
-def forward_outputs(records: List[dict], step: int = 0) -> Dict[str, torch.Tensor]:
-    """`{"<module>@mb<global microbatch>": [seq, batch, features] tensor}` of step `step`.
+def forward_outputs(records: List[dict], step: int = 0, kind: str = LINEAR) -> Dict[str, torch.Tensor]:
+    """`{"<module>@mb<global microbatch>": [seq, batch, features] tensor}` of step `step`:
+    adapted linears' outputs (`kind="linear"`) or routers' routing maps (`kind="routing"`).
 
     Raises if some element of an output came from no rank (a canonicalization bug must
     not compare a partial tensor).
@@ -61,11 +81,29 @@ def forward_outputs(records: List[dict], step: int = 0) -> Dict[str, torch.Tenso
         layout, coords = record["steps"][0]["extra"]["layout"], record["coords"]
         for local_name, outputs in record["steps"][step]["forward"].items():
             module = layout["modules"][local_name]
+            if module["kind"] != kind:
+                continue
             for local_index, output in enumerate(outputs):
-                tensor = output[0] if isinstance(output, (tuple, list)) else output
+                if kind == ROUTING:  # (probs, routing_map [tokens, experts]) in [seq, batch] token order
+                    routing_map = output[1]
+                    tensor = routing_map.reshape(-1, layout["micro_batch_size"], routing_map.shape[-1])
+                else:
+                    tensor = output[0] if isinstance(output, (tuple, list)) else output
                 key = f"{module['name']}@mb{local_index * coords['dp_size'] + coords['dp_rank']}"
                 pieces.setdefault(key, []).append(_placement(tensor.float(), module, layout, coords))
     return {key: _assemble(parts, key) for key, parts in pieces.items()}
+
+
+def routing_divergence(candidate: Dict[str, torch.Tensor], reference: Dict[str, torch.Tensor]) -> str:
+    """'' when every routing decision equals the reference; otherwise where and how many tokens differ."""
+    if set(candidate) != set(reference):
+        return f"routing maps captured for {sorted(candidate)} but the reference has {sorted(reference)}"
+    diverged = {key: int((candidate[key] != reference[key]).any(-1).sum()) for key in reference}
+    diverged = {key: tokens for key, tokens in diverged.items() if tokens}
+    if not diverged:
+        return ""
+    where = ", ".join(f"{key} ({tokens} tokens)" for key, tokens in sorted(diverged.items()))
+    return f"MoE routing diverged from world-1, so no comparison is meaningful: {where}"
 
 
 def _placement(tensor: torch.Tensor, module: dict, layout: dict, coords: dict):

@@ -7,6 +7,8 @@ clipping, with the `lora_correct` patches applied in every rank. Captures are
 canonicalized to the world-1 layout and compared per phase:
 
 - forward: outputs of every adapted (non-expert) linear, first step, every microbatch;
+- (MoE) routing: every router decision of every step must equal world-1's exactly, or the
+  topology fails with where the routing diverged (comparisons after a flip are meaningless);
 - loss: per-microbatch loss sums and token counts, and the reported lm loss, every step;
 - grads: adapter grads after finalize, every step;
 - grad_norm: the optimizer's grad norm, every step;
@@ -132,7 +134,13 @@ def make_job(topology: Topology, settings: OracleSettings, mutation: Optional[Mu
     train = TrainSettings(
         steps=settings.steps,
         seed=settings.seed,
-        capture=Capture(forward=canonical.is_adapted_dense_linear, on_step_end=functools.partial(_on_step_end, spec.seq_length)),
+    )
+    train = dataclasses.replace(
+        train,
+        capture=Capture(
+            forward=canonical.is_captured,
+            on_step_end=functools.partial(_on_step_end, spec.seq_length, train.micro_batch_size),
+        ),
     )
     if mutation is not None and mutation.settings:
         train = dataclasses.replace(train, **mutation.settings)
@@ -140,12 +148,22 @@ def make_job(topology: Topology, settings: OracleSettings, mutation: Optional[Mu
     return Job(spec, topology, train, context=context)
 
 
-def _on_step_end(seq_length: int, step: int, record: dict, chunks: list) -> None:
+def _on_step_end(seq_length: int, micro_batch_size: int, step: int, record: dict, chunks: list) -> None:
+    """`Capture.on_step_end`: the rank's forward-capture layout, recorded once."""
     if step == 0:
         model = chunks[0]
         while hasattr(model, "module"):
             model = model.module
-        record["extra"]["layout"] = canonical.rank_layout(model, seq_length)
+        record["extra"]["layout"] = canonical.rank_layout(model, seq_length, micro_batch_size)
+
+
+def routing_maps(records: List[dict]) -> Dict[str, "object"]:
+    """Every MoE routing decision of every step, in world-1 layout (empty for dense models)."""
+    return {
+        f"step{step}/{key}": routing
+        for step in range(len(records[0]["steps"]))
+        for key, routing in canonical.forward_outputs(records, step, canonical.ROUTING).items()
+    }
 
 
 def canonical_phases(records: List[dict], spec: TinyGPTSpec, shapes: Dict[str, tuple]) -> dict:
@@ -206,12 +224,13 @@ def run_oracle(
         specs.append(jobs[-1].spec)
     references = {spec: make_job(reference_topology, settings_for(spec, settings)) for spec in dict.fromkeys(specs)}
     outcomes = _run_isolated(list(references.values()) + jobs, settings.timeout_s)
-    reference_phases, shapes = {}, {}
+    reference_phases, reference_routing, shapes = {}, {}, {}
     for spec, (records, error) in zip(references, outcomes):
         if error:
             raise RuntimeError(f"the world-1 reference run failed; nothing can be compared:\n{error}")
         shapes[spec] = adapter_shapes(records)
         reference_phases[spec] = canonical_phases(records, spec, shapes[spec])
+        reference_routing[spec] = routing_maps(records)
     report = OracleReport(settings=_describe(settings))
     thresholds = settings.thresholds
     for (topology, mutation), job, (records, error) in zip(runs, jobs, outcomes[len(references):]):
@@ -220,6 +239,7 @@ def run_oracle(
             try:
                 candidate = canonical_phases(records, job.spec, shapes[job.spec])
                 phases = compare(candidate, reference_phases[job.spec], thresholds)
+                error = canonical.routing_divergence(routing_maps(records), reference_routing[job.spec]) or None
             except (ValueError, KeyError) as problem:  # a layout mismatch is a failure, never a pass
                 error = f"comparison failed: {type(problem).__name__}: {problem}"
         if mutation is None:

@@ -126,7 +126,7 @@ class OracleReport:
                     [
                         mutation.name,
                         mutation.topology,
-                        "crashed" if mutation.error else f"{ratio:.3g}",
+                        "error" if mutation.error else f"{ratio:.3g}",
                         phase if not mutation.error else "-",
                         "caught" if mutation.caught else "NOT CAUGHT",
                     ]
