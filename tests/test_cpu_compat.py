@@ -200,3 +200,14 @@ def test_activation_recompute_runs_on_the_host():
     mapping must still apply there (full and selective recompute)."""
     grads = run_world(recompute_allocating_on_cuda, 1, name="tp1")[0]
     assert grads == {"full": [3.0] * 3, "selective": [6.0] * 3}
+
+
+def test_type_queries_name_the_cuda_type_while_mapped():
+    """Megatron's Float16 optimizer accepts only CUDA type names; the host plays that device."""
+    from megatron_lora_patch.compat.host_device import HostDeviceMode
+
+    with HostDeviceMode():
+        assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+        assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+        assert torch.zeros(1).type(torch.int64).dtype == torch.int64  # conversions are untouched
+    assert torch.zeros(1).type() == "torch.FloatTensor"

@@ -94,7 +94,8 @@ def _is_cuda(device: Any) -> bool:
 
 
 class HostDeviceMode(TorchFunctionMode):
-    """Maps CUDA device arguments to the CPU, drops `pin_memory`; `Tensor.cuda()` returns the tensor itself.
+    """Maps CUDA device arguments to the CPU, drops `pin_memory`; `Tensor.cuda()` returns the tensor
+    itself and `Tensor.type()` names the CUDA type.
 
     Only the device changes, never dtype or values, so numerics are untouched.
     """
@@ -103,6 +104,10 @@ class HostDeviceMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # A type query ("torch.BFloat16Tensor"): answer as the CUDA device would, since the
+            # host plays that device (Megatron's Float16 optimizer accepts only CUDA type names).
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if _is_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": _HOST}
         if kwargs.get("pin_memory"):  # a transfer hint that needs an accelerator (RoPE's CP index)

@@ -74,11 +74,6 @@ def model_for(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
 def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
     """The model this topology runs, or one OracleError saying why it cannot run."""
     spec = model_for(topology, settings)
-    if settings.dtype == "bf16" and not _cuda_available():
-        raise OracleError(
-            "--dtype bf16 needs CUDA: Megatron's mixed-precision optimizer only wraps CUDA tensors; "
-            "run it on a GPU machine, or use --dtype fp32 here"
-        )
     if settings.tp_invariant and spec.is_moe:
         raise OracleError("--tp-invariant supports the dense model only; use --model dense or auto without ep/etp")
     if settings.tp_invariant and any(size > 1 for size in (topology.pp, topology.dp, topology.cp, topology.ep, topology.etp)):
@@ -88,12 +83,6 @@ def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
         )
     topology.validate(num_experts=spec.num_experts, num_layers=spec.num_layers, seq_length=spec.seq_length)
     return spec
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 @contextlib.contextmanager

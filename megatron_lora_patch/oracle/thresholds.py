@@ -16,9 +16,13 @@ threshold. Why these numbers:
   moves some phase by 1e-2 or more (a missing TP SUM halves a gradient, an average divides
   it by the domain size, mean-of-means reweights tokens, a wrong layout permutes rows):
   the mutations are caught at 1.3e3 to 5e5 times these thresholds, never a close call.
-- bf16: 8 mantissa bits (eps 7.8e-3); the same reorderings move results by 1e-3 to 1e-2
-  relative, and more after K optimizer steps. (Estimates: Megatron's mixed-precision
-  optimizer needs CUDA, so bf16 training is only measured on a GPU machine.)
+- bf16: 8 mantissa bits (eps 7.8e-3). Measured on CPU at tp2 against world-1: forward outputs
+  2e-2 to 4e-2 (growing with depth: per-layer means 0.007 to 0.018), losses 3e-3, grad norm 8e-3;
+  adapter grads differ by about 0.1 per layer (0.26 worst tensor) because the TP partial sums are
+  rounded to bf16 before they are summed, and Adam's sign-like first step carries that into the
+  deltas (0.18). dp2 and pp2 agree to 1e-7. bf16 thresholds are therefore a noise band (about
+  3x the measured worst), good for catching a broken run, not a proof: the mutation margins above
+  are fp32 claims.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ PHASES = ("forward", "loss", "grads", "grad_norm", "deltas")
 
 THRESHOLDS: dict[str, dict[str, float]] = {
     "fp32": {"forward": 1e-5, "loss": 1e-5, "grads": 1e-3, "grad_norm": 1e-4, "deltas": 1e-3},
-    "bf16": {"forward": 3e-2, "loss": 1e-2, "grads": 5e-2, "grad_norm": 3e-2, "deltas": 1e-1},
+    "bf16": {"forward": 1e-1, "loss": 1e-2, "grads": 1.0, "grad_norm": 3e-2, "deltas": 5e-1},
 }
 
 
