@@ -37,10 +37,11 @@ for name in plugin.PATCH_MODULES:
 start = time.perf_counter()
 megatron_lora_patch.apply(['lora_correct'])
 applied = time.perf_counter() - start
+count = sum(r.state == 'applied' for r in megatron_lora_patch.status())
 start = time.perf_counter()
 megatron_lora_patch.revert()
 reverted = time.perf_counter() - start
-print(applied, reverted, sum(r.state == 'applied' for r in megatron_lora_patch.status()))
+print(applied, reverted, count)
 """
 
 

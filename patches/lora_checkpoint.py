@@ -14,11 +14,16 @@ from __future__ import annotations
 from megatron_lora_patch.patching import PatchSpec
 
 
-def _patch_layers(patcher, layers) -> None:
+def _sharded_state_dict(wrapped, instance, args, kwargs):
+    # Imported on the first checkpoint, not when the patch applies (start-up cost).
     from megatron_lora_patch.lora.checkpoint import layer_sharded_state_dict
 
-    patcher.wrap(layers.ColumnParallelLinear, "sharded_state_dict", layer_sharded_state_dict)
-    patcher.wrap(layers.RowParallelLinear, "sharded_state_dict", layer_sharded_state_dict)
+    return layer_sharded_state_dict(wrapped, instance, args, kwargs)
+
+
+def _patch_layers(patcher, layers) -> None:
+    patcher.wrap(layers.ColumnParallelLinear, "sharded_state_dict", _sharded_state_dict)
+    patcher.wrap(layers.RowParallelLinear, "sharded_state_dict", _sharded_state_dict)
 
 
 SPEC = PatchSpec(

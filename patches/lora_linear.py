@@ -79,11 +79,13 @@ TE_FORWARDS = {
 
 def _patch_transformer_engine(patcher, extensions) -> None:
     """Wrap the TE linears' forwards; nothing to do where TE is absent (the names are stubs then)."""
+    if not getattr(extensions, "HAVE_TE", False):
+        return
     from megatron_lora_patch.lora import te
 
     for class_name, wrapper_name in TE_FORWARDS.items():
         cls = getattr(extensions, class_name, None)
-        if getattr(extensions, "HAVE_TE", False) and isinstance(cls, type):
+        if isinstance(cls, type):
             patcher.wrap(cls, "forward", getattr(te, wrapper_name))
 
 

@@ -22,8 +22,6 @@ from .init import logical_factors
 from .layouts import shard
 from .metadata import AdapterParamInfo, tag
 
-#: The attribute (and submodule name) under which a wrapped layer holds its adapter.
-ADAPTER_NAME = "lora"
 
 
 class LoraAdapter(torch.nn.Module):

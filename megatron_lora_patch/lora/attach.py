@@ -20,9 +20,9 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .adapter import ADAPTER_NAME, LoraAdapter
+from .adapter import LoraAdapter
 from .config import LoraConfig, LoraConfigError, active
-from .metadata import adapter_info
+from .metadata import ADAPTER_NAME, adapter_info
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,8 @@ from typing import Any, Dict, Iterable, Optional
 
 import torch
 
-from .adapter import ADAPTER_NAME, LoraAdapter
+from .adapter import LoraAdapter
+from .metadata import ADAPTER_NAME
 
 #: Common-state entry of an adapter-only checkpoint: the model and LoRA description.
 DESCRIPTION_KEY = "megatron_lora_patch"

@@ -25,9 +25,12 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .adapter import ADAPTER_NAME, LoraAdapter
+from .metadata import ADAPTER_NAME
+
+if TYPE_CHECKING:  # the adapter (and its config / init) loads with the first model, not with the patch
+    from .adapter import LoraAdapter
 
 _current_adapter: contextvars.ContextVar = contextvars.ContextVar("megatron_lora_adapter", default=None)
 

@@ -17,7 +17,8 @@ from typing import Dict, Iterable, List, Tuple
 
 import torch
 
-from .adapter import ADAPTER_NAME, LoraAdapter
+from .adapter import LoraAdapter
+from .metadata import ADAPTER_NAME
 
 Merged = List[Tuple[torch.nn.Module, LoraAdapter]]
 

@@ -15,6 +15,8 @@ import dataclasses
 from typing import Any, Literal, Optional
 
 ATTRIBUTE = "lora_info"
+#: The submodule name under which a wrapped layer holds its adapter (`<layer>.lora.A`).
+ADAPTER_NAME = "lora"
 
 
 @dataclasses.dataclass(frozen=True)
