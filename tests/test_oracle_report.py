@@ -48,3 +48,14 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "oracle.png"
     plot.heat_map(_report(), str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 2000
+
+
+def test_routing_divergence_fails_a_topology_and_catches_a_mutation():
+    message = "MoE routing diverged from world-1, so no comparison is meaningful: decoder.layers.0.mlp.router@mb0 (2 tokens)"
+    report = OracleReport(settings={"thresholds": THRESHOLDS["fp32"]})
+    report.topologies = [TopologyResult("ep2", 2, _phases(1.0), routing=message)]
+    report.mutations = [MutationResult("expert_bug", "ep2", "a bug", _phases(1.0), routing=message)]
+    assert not report.topologies[0].passed and report.mutations[0].caught
+    assert f"  ep2: {message}" in report.table()
+    assert report.table().splitlines()[-3].endswith("caught (routing diverged)")
+    assert report.as_dict()["topologies"][0]["routing_divergence"] == message

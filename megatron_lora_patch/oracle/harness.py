@@ -224,17 +224,18 @@ def run_oracle(
     thresholds = settings.thresholds
     for (topology, mutation), job, (records, error) in zip(runs, jobs, outcomes[len(references):]):
         phases: Dict[str, PhaseMetrics] = {}
+        routing = ""
         if error is None:
             try:
                 candidate = canonical_phases(records, job.spec, shapes[job.spec])
                 phases = compare(candidate, reference_phases[job.spec], thresholds)
-                error = canonical.routing_divergence(routing_maps(records), reference_routing[job.spec]) or None
+                routing = canonical.routing_divergence(routing_maps(records), reference_routing[job.spec])
             except (ValueError, KeyError) as problem:  # a layout mismatch is a failure, never a pass
                 error = f"comparison failed: {type(problem).__name__}: {problem}"
         if mutation is None:
-            report.topologies.append(TopologyResult(str(topology), topology.world_size, phases, error))
+            report.topologies.append(TopologyResult(str(topology), topology.world_size, phases, error, routing))
         else:
-            report.mutations.append(MutationResult(mutation.name, str(topology), mutation.bug, phases, error))
+            report.mutations.append(MutationResult(mutation.name, str(topology), mutation.bug, phases, error, routing))
     report.wall_s = time.monotonic() - started
     return report
 

@@ -17,11 +17,12 @@ class TopologyResult:
     world_size: int
     phases: dict  # phase -> PhaseMetrics
     error: Optional[str] = None  # a crashed / hung world: rank id and traceback
+    routing: str = ""  # where MoE routing diverged from world-1 (a failure: comparisons are meaningless)
     wall_s: float = 0.0
 
     @property
     def passed(self) -> bool:
-        return self.error is None and all(metrics.passed for metrics in self.phases.values())
+        return self.error is None and not self.routing and all(metrics.passed for metrics in self.phases.values())
 
     def as_dict(self) -> dict:
         return {
@@ -29,6 +30,7 @@ class TopologyResult:
             "world_size": self.world_size,
             "passed": self.passed,
             "error": self.error,
+            "routing_divergence": self.routing or None,
             "wall_s": round(self.wall_s, 2),
             "phases": {phase: metrics.as_dict() for phase, metrics in self.phases.items()},
         }
@@ -41,6 +43,7 @@ class MutationResult:
     bug: str
     phases: dict  # phase -> PhaseMetrics of the mutated run against the reference
     error: Optional[str] = None  # a mutation that crashes the run is caught too, but says so
+    routing: str = ""  # the mutation also changed MoE routing decisions (caught by that alone)
 
     @property
     def worst_ratio(self) -> float:
@@ -48,7 +51,7 @@ class MutationResult:
 
     @property
     def caught(self) -> bool:
-        return self.error is not None or any(not metrics.passed for metrics in self.phases.values())
+        return self.error is not None or bool(self.routing) or any(not m.passed for m in self.phases.values())
 
     def as_dict(self) -> dict:
         ratio = self.worst_ratio
@@ -59,6 +62,7 @@ class MutationResult:
             "worst_metric_over_threshold": None if math.isnan(ratio) else ratio,
             "caught": self.caught,
             "error": self.error,
+            "routing_divergence": self.routing or None,
             "phases": {phase: metrics.as_dict() for phase, metrics in self.phases.items()},
         }
 
@@ -114,8 +118,9 @@ class OracleReport:
             rows.append(cells)
         lines = _aligned(rows)
         for result in self.topologies:
-            if result.error:
-                lines.append(f"  {result.topology}: {result.error}")
+            for problem in (result.error, result.routing):
+                if problem:
+                    lines.append(f"  {result.topology}: {problem}")
         if self.mutations:
             lines.append("")
             rows = [["mutation", "topology", "worst/threshold", "phase", "result"]]
@@ -128,7 +133,7 @@ class OracleReport:
                         mutation.topology,
                         "error" if mutation.error else f"{ratio:.3g}",
                         phase if not mutation.error else "-",
-                        "caught" if mutation.caught else "NOT CAUGHT",
+                        ("caught" if mutation.caught else "NOT CAUGHT") + (" (routing diverged)" if mutation.routing else ""),
                     ]
                 )
             lines += _aligned(rows)
