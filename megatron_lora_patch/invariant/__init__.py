@@ -11,3 +11,8 @@ into per-rank partial sums (row-parallel outputs, column-parallel input grads, r
 LoRA factor grads, vocab sums, grad-norm squares). Here every such reduction runs once,
 over the full operand, in the world-size-1 order, on every rank; TP = 1 runs the same code.
 """
+
+
+class TPInvariantUnsupported(ValueError):
+    """The TP-invariant mode cannot run this configuration bit-exactly; the message says what to change."""
+

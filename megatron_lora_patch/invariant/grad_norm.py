@@ -24,6 +24,7 @@ import torch
 from megatron_lora_patch import runtime
 from megatron_lora_patch.invariant.collectives import all_gather_logical
 from megatron_lora_patch.lora.metadata import adapter_info
+from megatron_lora_patch.invariant import TPInvariantUnsupported
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +34,14 @@ def _check_supported(optimizer: Any) -> None:
 
     config = optimizer.config
     if getattr(config, "use_distributed_optimizer", False):
-        raise NotImplementedError(
+        raise TPInvariantUnsupported(
             "tp_invariant: the distributed optimizer shards grads over data parallel; use "
             "use_distributed_optimizer=False with the TP-invariant mode"
         )
     if getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
-        raise NotImplementedError("tp_invariant: the precision-aware optimizer (decoupled grads) is not supported")
+        raise TPInvariantUnsupported("tp_invariant: the precision-aware optimizer (decoupled grads) is not supported")
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        raise NotImplementedError("tp_invariant: pipeline parallelism is not supported (pp must be 1)")
+        raise TPInvariantUnsupported("tp_invariant: pipeline parallelism is not supported (pp must be 1)")
 
 
 def _tp_group(param: Any) -> Any:
@@ -52,7 +53,7 @@ def _tp_group(param: Any) -> Any:
 
 def _logical_grad(param: Any, grad: torch.Tensor) -> torch.Tensor:
     if not getattr(param, "allreduce", True):
-        raise NotImplementedError("tp_invariant: expert parameters (MoE) are not supported")
+        raise TPInvariantUnsupported("tp_invariant: expert parameters (MoE) are not supported")
     if not getattr(param, "tensor_model_parallel", False):
         group = _tp_group(param)
         if getattr(param, "sequence_parallel", False) and torch.distributed.get_world_size(group) > 1:

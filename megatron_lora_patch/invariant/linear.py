@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from megatron_lora_patch.invariant.collectives import gather_logical, local_slice, owned_by_first_rank
 from megatron_lora_patch.lora.linear import adapter_of
+from megatron_lora_patch.invariant import TPInvariantUnsupported
 
 #: Attribute a patch sets on a column layer whose shards interleave two halves (SwiGLU fc1)
 #: when the weight's own `partition_stride` does not say so.
@@ -49,7 +50,7 @@ def _linear_arguments(
 ) -> dict:
     """Megatron's linear-function arguments by name (0.14-0.16 pass them as keywords)."""
     if grad_output_buffer is not None:
-        raise NotImplementedError(
+        raise TPInvariantUnsupported(
             "tp_invariant: defer_embedding_wgrad_compute is not supported; turn it off with the TP-invariant mode"
         )
     return {"input": input, "weight": weight, "bias": bias, "sequence_parallel": sequence_parallel}
@@ -57,17 +58,17 @@ def _linear_arguments(
 
 def _check_supported(layer: Any) -> None:
     if getattr(layer, "is_expert", False) or getattr(layer, "explicit_expert_comm", False):
-        raise NotImplementedError(
+        raise TPInvariantUnsupported(
             "tp_invariant supports dense tensor/sequence parallelism only; expert layers (MoE EP/ETP) are not "
             "TP-invariant yet: turn the tp_invariant patch off for MoE models"
         )
     if getattr(layer, "disable_grad_reduce", False):
-        raise NotImplementedError("tp_invariant: layers built with disable_grad_reduce=True are not supported")
+        raise TPInvariantUnsupported("tp_invariant: layers built with disable_grad_reduce=True are not supported")
 
 
 def _check_adapter(adapter: Any) -> None:
     if adapter.dropout and adapter.training:
-        raise NotImplementedError(
+        raise TPInvariantUnsupported(
             "tp_invariant: LoRA dropout draws per-rank masks on sharded inputs, which differ across TP degrees; "
             "set the LoRA dropout to 0 in the TP-invariant mode"
         )
@@ -134,5 +135,5 @@ def row_forward_impl(wrapped, instance, args, kwargs):
     """wrapt wrapper of `RowParallelLinear._forward_impl` (Megatron adds the row bias after the reduction)."""
     call = _linear_arguments(*args, **kwargs)
     if call["bias"] is not None:
-        raise NotImplementedError("tp_invariant: a bias inside the row-parallel matmul is not supported")
+        raise TPInvariantUnsupported("tp_invariant: a bias inside the row-parallel matmul is not supported")
     return row_linear(instance, call["input"], call["weight"])

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_lora_patch.invariant.collectives import gather_logical
+from megatron_lora_patch.invariant import TPInvariantUnsupported
 
 
 class _FullVocabCrossEntropy(torch.autograd.Function):
@@ -52,7 +53,7 @@ def cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, lab
     from megatron.core import parallel_state
 
     if label_smoothing:
-        raise NotImplementedError("tp_invariant: label smoothing is not supported; set label_smoothing to 0")
+        raise TPInvariantUnsupported("tp_invariant: label smoothing is not supported; set label_smoothing to 0")
     group = group if group is not None else parallel_state.get_tensor_model_parallel_group()
     full_logits = gather_logical(vocab_parallel_logits, -1, 1, group)
     return _FullVocabCrossEntropy.apply(full_logits, target)

@@ -138,7 +138,7 @@ def adapters_of(chunks: Iterable[torch.nn.Module]) -> Dict[str, LoraAdapter]:
 def _single_model(chunks: Iterable[torch.nn.Module]) -> torch.nn.Module:
     chunks = list(chunks)
     if len(chunks) != 1:
-        raise NotImplementedError(
+        raise ValueError(
             f"adapter checkpoints take one model chunk per rank, got {len(chunks)} (virtual pipeline stages)"
         )
     model = chunks[0]

@@ -212,7 +212,7 @@ def _column_lora_on_local_input(wrapped, instance, args, kwargs):
     """
     linear, call, adapter = args
     if call.get("sequence_parallel"):
-        raise NotImplementedError("lora_input_grad_outside_collective models the non-SP path; use tp2 without sp")
+        raise ValueError("lora_input_grad_outside_collective models the non-SP path; use tp2 without sp")
     local_input = call["input"]
     return linear(**call) + adapter.column_term(local_input, None)
 

@@ -59,7 +59,7 @@ class ContextParallelDotProductAttention(DotProductAttention):
 
     def __init__(self, config, *args, **kwargs):
         if getattr(config, "window_size", None) is not None:
-            raise NotImplementedError(
+            raise ValueError(
                 "ContextParallelDotProductAttention does not support sliding-window attention; "
                 "use the Transformer Engine spec for windowed CP attention"
             )
@@ -85,7 +85,7 @@ class ContextParallelDotProductAttention(DotProductAttention):
     ):
         """query/key/value: [s/cp, b, heads, dim] in CP-local order; returns [s/cp, b, hidden]."""
         if packed_seq_params is not None:
-            raise NotImplementedError(
+            raise ValueError(
                 "ContextParallelDotProductAttention does not support packed sequences (THD); "
                 "use the Transformer Engine spec for packed CP attention"
             )

@@ -178,7 +178,7 @@ def _resolve_finalize(choice: Union[str, Callable, None]) -> Optional[Callable]:
 
 def _single_chunk(chunks: list) -> torch.nn.Module:
     if len(chunks) != 1:
-        raise NotImplementedError(
+        raise ValueError(
             f"the testbed records one model chunk per rank; got {len(chunks)} (virtual pipeline "
             "stages are not supported: use pp without vpp)"
         )
