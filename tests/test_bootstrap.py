@@ -153,3 +153,20 @@ def test_status_when_plugins_unset(installed_python):
     result = run_python(installed_python, code)
     assert result.returncode == 0
     assert result.stdout.startswith("MEGATRON_PLUGINS is unset: no plugin is active and nothing is patched. Installed plugins: canary, demo, lora_correct.")
+
+
+def test_lora_correct_applied_on_plain_megatron_import(installed_python):
+    """The issue's "done when": MEGATRON_PLUGINS=lora_correct + `import megatron.core.tensor_parallel.layers`."""
+    code = (
+        "import json, megatron.core.tensor_parallel.layers as layers, megatron_lora_patch, wrapt\n"
+        "rows = {r.patch: r.state for r in megatron_lora_patch.status()}\n"
+        "wrapped = isinstance(layers.linear_with_frozen_weight, wrapt.FunctionWrapper)\n"
+        "print(json.dumps([rows, wrapped]))\n"
+    )
+    result = run_python(installed_python, code, plugins=False, MEGATRON_PLUGINS="lora_correct")
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows, wrapped = json.loads(result.stdout.strip().splitlines()[-1])
+    assert wrapped
+    assert rows["lora_linear"] == "applied" and rows["lora_checkpoint"] == "applied"
+    assert rows["cpu_compat"] == rows["null_tokenizer"] == rows["tp_invariant"] == "disabled"  # opt-in patches
+    assert rows["finalize_grads"] in ("applied", "not imported yet")
