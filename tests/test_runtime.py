@@ -9,7 +9,6 @@ import logging
 import pytest
 
 from megatron_lora_patch import runtime
-from megatron_lora_patch.flags import FlagError
 
 
 @pytest.fixture

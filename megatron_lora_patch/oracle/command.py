@@ -6,7 +6,6 @@ Exit code 0 only if every topology matched and, with --mutations, every mutation
 from __future__ import annotations
 
 import argparse
-import sys
 
 #: Runs in under 3 minutes on 2 CPU cores: every parallel dimension once, 2 ranks each.
 DEFAULT_TOPOLOGIES = ("tp2", "tp2-sp", "dp2", "pp2", "cp2", "ep2", "tp2-etp2-sp")
