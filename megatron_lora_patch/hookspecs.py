@@ -28,3 +28,9 @@ def megatron_lora_patch_patches() -> "list[PatchSpec]":
 @_spec
 def megatron_lora_patch_configure(settings: "Settings") -> None:
     """React to the resolved settings (enabled patches, strict) before any patch is applied."""
+
+
+@_spec
+def megatron_lora_patch_env_variables() -> "list[str]":
+    """Return the names of the MEGATRON_LORA_* environment variables this plugin reads, so the
+    runtime can reject an unknown one (a typo) with a "did you mean"."""

@@ -17,10 +17,14 @@ from typing import Iterable, Mapping, Optional
 import pluggy
 import wrapt
 
-from megatron_lora_patch import flags, hookspecs, versions
+from megatron_lora_patch import errors, flags, hookspecs, versions
+from megatron_lora_patch.errors import UsageError
 from megatron_lora_patch.patching import Patcher, PatchSpec
 
 logger = logging.getLogger("megatron_lora_patch")
+
+#: Importing it runs the version gate of every enabled patch (all targets live inside it).
+VERSION_MODULE = "megatron.core"
 
 
 class SkipPatch(Exception):
@@ -28,11 +32,12 @@ class SkipPatch(Exception):
     needed, ...). Whatever the patch changed so far is reverted; status shows the reason."""
 
 
-class PatchError(RuntimeError):
-    """A patch failed or was refused in strict mode (MEGATRON_LORA_STRICT=1)."""
+class PatchError(UsageError, RuntimeError):
+    """An enabled patch cannot be delivered (it failed to apply, the Megatron-Core version is
+    untested, or a run-time misuse in strict mode): the run stops with this one line."""
 
 
-class PluginError(LookupError):
+class PluginError(UsageError, LookupError):
     """A requested plugin is not installed or does not load."""
 
 
@@ -56,7 +61,7 @@ class PatchStatus:
     installed: str
     enabled: bool
     source: str  # where `enabled` came from: arg, env or default
-    state: str  # applied, skipped, failed, disabled, reverted, not imported yet
+    state: str  # applied, skipped, failed, untested, disabled, reverted, not imported yet, not configured
     detail: str = ""
 
     def as_dict(self) -> dict:
@@ -69,8 +74,10 @@ class _Record:
     plugin: str
     enabled: bool = False
     source: str = "default"
-    state: str = "not imported yet"
+    state: str = "not configured"  # until an apply() got through validation
     detail: str = ""
+    untested: str = ""  # why the version gate was overridden (MEGATRON_LORA_ALLOW_UNTESTED)
+    version_checked: bool = False
     patcher: Patcher = dataclasses.field(default_factory=Patcher)
     applied_modules: set = dataclasses.field(default_factory=set)
     unavailable: dict = dataclasses.field(default_factory=dict)  # module -> import error text
@@ -85,6 +92,8 @@ class Runtime:
         self._records: dict[str, _Record] = {}
         self._watched: set[str] = set()
         self._strict = False
+        self._allow_untested = False
+        self._gated_version: Optional[versions.Version] = None  # what the last version gate judged
         self._warned: set[str] = set()
         self._explicit: dict[str, bool] = {}  # `enable` choices of earlier apply calls (sticky until revert)
         self._lock = threading.RLock()
@@ -96,47 +105,36 @@ class Runtime:
         enable: Optional[Mapping[str, bool]] = None,
         strict: Optional[bool] = None,
     ) -> list[PatchStatus]:
-        """Load plugins (argument, else MEGATRON_PLUGINS), resolve flags, apply what is on.
-
-        Idempotent: an applied patch is never applied twice; a patch turned off here is reverted.
-        `enable` choices add to those of earlier calls (until `revert`), so a later plain
-        `apply()` does not silently turn off what an earlier call turned on.
-        """
+        """Load plugins (argument, else MEGATRON_PLUGINS), validate every flag (a `UsageError`
+        before anything changes), apply what is on (`PatchError` when a patch fails or meets an
+        untested Megatron-Core). Idempotent; `enable` choices stick until `revert`."""
         with self._lock:
             names = list(plugins) if plugins is not None else flags.requested_plugins()
             if not names:
                 raise flags.FlagError(
                     f"no plugin requested: set {flags.PLUGINS_VARIABLE}=lora_correct or pass plugins=['lora_correct']"
                 )
-            self._strict = flags.strict(strict)
+            flags.check_booleans()
             for name in names:
                 self._load_plugin(name)
             self._collect_patches()
+            flags.check_variable_names(self._records, self._declared_variables())
             explicit = {**self._explicit, **(enable or {})}
             decisions = flags.resolve_enabled(
                 {name: record.spec.default for name, record in self._records.items()}, explicit
             )
-            self._explicit = explicit
-            for name, (enabled, source) in decisions.items():
-                record = self._records[name]
-                if record.enabled and not enabled:
-                    self._revert(record, "disabled")
-                record.enabled, record.source = enabled, source
-                if not enabled:
-                    record.state = "disabled"
-                elif record.state in ("disabled", "reverted"):
-                    record.state = "not imported yet"
-            self._manager.hook.megatron_lora_patch_configure(
+            self._strict = flags.strict(strict)
+            self._allow_untested = bool(flags.env_bool(flags.ALLOW_UNTESTED_VARIABLE))
+            self._manager.hook.megatron_lora_patch_configure(  # plugins validate their own variables
                 settings=Settings(
                     plugins=tuple(self._plugin_names()),
                     strict=self._strict,
                     enabled={name: decision[0] for name, decision in decisions.items()},
                 )
             )
-            for record in self._records.values():
-                if record.enabled:
-                    for module_name in record.spec.hooks:
-                        self._watch(module_name)
+            self._explicit = explicit
+            self._set_enabled(decisions)
+            self._watch_targets()
             return self.status()
 
     def revert(self, names: Optional[Iterable[str]] = None) -> list[PatchStatus]:
@@ -164,19 +162,25 @@ class Runtime:
             self._warned.add(key)
             logger.warning("megatron-lora-patch: %s", message)
 
-    def import_targets(self) -> None:
-        """Import every enabled patch's target modules (what `status` does to show real states)."""
+    def import_targets(self) -> Optional[UsageError]:
+        """Import every enabled patch's target modules (what `status` does to show real states);
+        stop at the first patch that cannot be delivered (Python undoes that failed import) and return its error."""
         for record in list(self._records.values()):
             if not record.enabled:
                 continue
             for module_name in record.spec.hooks:
                 try:
                     importlib.import_module(module_name)
+                except UsageError as error:
+                    return error
                 except ImportError as error:
                     record.unavailable[module_name] = str(error)
+        return None
 
     def status(self) -> list[PatchStatus]:
-        installed = versions.installed_megatron_core()
+        # A failed import is undone, so the version a gate judged is what that import would run.
+        imported = VERSION_MODULE in sys.modules or self._gated_version is None
+        installed = versions.installed_megatron_core() if imported else self._gated_version
         return [
             PatchStatus(
                 plugin=record.plugin,
@@ -201,10 +205,8 @@ class Runtime:
             return
         available = installed_plugins()
         if name not in available:
-            raise PluginError(
-                f"{flags.PLUGINS_VARIABLE} names unknown plugin {name!r}; installed plugins: "
-                + (", ".join(sorted(available)) or "none")
-            )
+            problem = f"{flags.PLUGINS_VARIABLE} names unknown plugin {name!r}"
+            raise PluginError(flags.unknown_name(problem, name, available))
         try:
             plugin = available[name].load()
         except Exception as error:
@@ -226,51 +228,95 @@ class Runtime:
                 versions.parse_range(spec.versions, spec.name)  # a bad declaration fails now
                 self._records[spec.name] = _Record(spec=spec, plugin=hookimpl.plugin_name)
 
+    def _declared_variables(self) -> set[str]:
+        """The MEGATRON_LORA_* variables the loaded plugins read (hook `megatron_lora_patch_env_variables`)."""
+        return {name for names in self._manager.hook.megatron_lora_patch_env_variables() for name in names}
+
+    def _set_enabled(self, decisions: Mapping[str, tuple[bool, str]]) -> None:
+        for name, (enabled, source) in decisions.items():
+            record = self._records[name]
+            if record.enabled and not enabled:
+                self._revert(record, "disabled")
+            record.enabled, record.source = enabled, source
+            if not enabled:
+                record.state = "disabled"
+            elif record.state in ("disabled", "reverted", "not configured"):
+                record.state = "not imported yet"
+
     # -- applying ---------------------------------------------------------------------
+    def _watch_targets(self) -> None:
+        enabled = [record for record in self._records.values() if record.enabled]
+        if enabled:
+            self._watch(VERSION_MODULE)  # first: an untested version stops before anything is applied
+        for record in enabled:
+            for module_name in record.spec.hooks:
+                self._watch(module_name)
+
     def _watch(self, module_name: str) -> None:
         if module_name not in self._watched:
             self._watched.add(module_name)
-            # Runs now if the module is already imported, else right after its import.
+            # Runs now if the module is already imported, else right after its import; an
+            # exception raised here makes that import fail (wrapt `notify_module_loaded`).
             wrapt.register_post_import_hook(self._on_import, module_name)
         elif module_name in sys.modules:
             self._on_import(sys.modules[module_name])
 
     def _on_import(self, module: types.ModuleType) -> None:
+        """Gate and apply every enabled patch that hooks `module`; the first error is raised last."""
         with self._lock:
+            first_error: Optional[UsageError] = None
             for record in self._records.values():
-                if (
-                    record.enabled
-                    and module.__name__ in record.spec.hooks
-                    and module.__name__ not in record.applied_modules
-                    and record.state in ("not imported yet", "applied")
-                ):
-                    self._apply_hook(record, module)
+                try:
+                    if record.enabled and module.__name__ == VERSION_MODULE and record.state == "not imported yet":
+                        self._check_version(record)
+                    if (
+                        record.enabled
+                        and module.__name__ in record.spec.hooks
+                        and module.__name__ not in record.applied_modules
+                        and record.state in ("not imported yet", "applied")
+                    ):
+                        self._apply_hook(record, module)
+                except UsageError as error:
+                    first_error = first_error or error
+            if first_error is not None:
+                raise first_error
+
+    def _check_version(self, record: _Record) -> None:
+        """Refuse an enabled patch on a Megatron-Core outside its tested range, unless allowed."""
+        if record.version_checked:
+            return
+        name = record.spec.name
+        self._gated_version = versions.installed_megatron_core()
+        reason = versions.out_of_range_reason(name, record.spec.versions, self._gated_version)
+        if reason and not self._allow_untested:
+            record.state, record.detail = "untested", reason
+            raise PatchError(
+                f"{reason}; set {flags.ALLOW_UNTESTED_VARIABLE}=1 to apply it anyway, "
+                f"or {flags.DISABLED_VARIABLE}={name} to train without it"
+            )
+        if reason:
+            record.untested = f"untested: {reason}, applied because {flags.ALLOW_UNTESTED_VARIABLE} is on"
+            self.warn_once(f"untested-{name}", record.untested)
+        record.version_checked = True
 
     def _apply_hook(self, record: _Record, module: types.ModuleType) -> None:
         name = record.spec.name
+        self._check_version(record)
         try:
-            if not record.applied_modules:
-                reason = versions.out_of_range_reason(name, record.spec.versions, versions.installed_megatron_core())
-                if reason:
-                    record.state, record.detail = "skipped", reason
-                    if self._strict:
-                        raise PatchError(f"{reason} (strict mode)")
-                    logger.warning("megatron-lora-patch: skipped %s", reason)
-                    return
             record.spec.hooks[module.__name__](record.patcher, module)
         except SkipPatch as skip:
             self._revert(record, "skipped")
             record.detail = str(skip)
             logger.info("megatron-lora-patch: skipped %s: %s", name, skip)
-        except PatchError:
-            raise
         except Exception as error:
             self._revert(record, "failed")
-            record.detail = f"{type(error).__name__}: {error}"
-            message = f"patch {name} failed on {module.__name__}, nothing of it is applied: {record.detail}"
-            if self._strict:
-                raise PatchError(message + " (strict mode)") from error
-            logger.error("megatron-lora-patch: %s", message)
+            cause = (str(error).strip().splitlines() or [""])[0]
+            record.detail = f"{type(error).__name__}: {cause}" if cause else type(error).__name__
+            logger.debug("megatron-lora-patch: patch %s failed on %s", name, module.__name__, exc_info=error)
+            raise PatchError(
+                f"patch {name} failed on {module.__name__}, nothing of it is applied: {record.detail}; "
+                f"fix the cause, or set {flags.DISABLED_VARIABLE}={name} to knowingly train without it"
+            ) from error
         else:
             record.applied_modules.add(module.__name__)
             record.state, record.detail = "applied", ""
@@ -280,10 +326,11 @@ class Runtime:
         record.patcher.revert()
         record.applied_modules.clear()
         record.state, record.detail = state, ""
+        record.untested, record.version_checked = "", False
 
     @staticmethod
     def _detail(record: _Record) -> str:
-        parts = [record.detail] if record.detail else []
+        parts = [text for text in (record.detail, record.untested) if text]
         pending = [m for m in record.spec.hooks if m not in record.applied_modules and m not in record.unavailable]
         if record.state == "applied" and pending:
             parts.append("not imported yet: " + ", ".join(pending))
@@ -347,5 +394,7 @@ def warn_once(key: str, message: str) -> None:
 
 
 def activate_from_env() -> None:
-    """Called by the start-up bootstrap on the first `import megatron`."""
+    """Called by the start-up bootstrap on the first `import megatron`: a `UsageError` from
+    here (or from a patch hook later) ends the process with one line, no traceback."""
+    errors.install_excepthook()
     get_runtime().apply()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+import importlib
 import importlib.metadata
 import sys
 from typing import Optional
@@ -17,23 +17,25 @@ class VersionError(ValueError):
     """A version or version range that cannot be parsed."""
 
 
-@functools.lru_cache(maxsize=None)
 def installed_megatron_core() -> Optional[Version]:
-    """From the distribution metadata; a source checkout falls back to `megatron.core.package_info`.
+    """The version of the Megatron-Core this process runs.
 
-    The fallback is read only when `megatron.core` is already imported, so asking for the
-    version never imports Megatron. Cached: the installed version does not change in a process.
+    Once `megatron.core` is imported (every patch target is inside it, so always when a patch
+    hook fires): its own `package_info.__version__`, which is right for a source checkout on
+    `sys.path` with or without a different wheel installed. Before that, the distribution
+    metadata stands in (what an import would most likely load). Never cached: the answer
+    changes when Megatron gets imported. Asking never imports Megatron itself.
     """
+    if "megatron.core" in sys.modules:
+        try:
+            package_info = importlib.import_module("megatron.core.package_info")
+            return parse_version(package_info.__version__, "megatron.core.package_info")
+        except (ImportError, AttributeError):
+            pass  # an unusual layout: fall back to the metadata
     try:
-        text = importlib.metadata.version(DISTRIBUTION)
+        return parse_version(importlib.metadata.version(DISTRIBUTION), DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
-        package_info = sys.modules.get("megatron.core.package_info")
-        if package_info is None and "megatron.core" in sys.modules:
-            import megatron.core.package_info as package_info  # type: ignore[no-redef]
-        if package_info is None:
-            return None
-        text = package_info.__version__
-    return parse_version(text, DISTRIBUTION)
+        return None
 
 
 def parse_version(text: str, what: str) -> Version:
@@ -57,7 +59,7 @@ def out_of_range_reason(patch_name: str, tested: str, installed: Optional[Versio
     """None when the patch may apply; otherwise why not, naming patch, range and version."""
     specifier = parse_range(tested, patch_name)
     if installed is None:
-        return f"{patch_name}: megatron-core is not installed (tested range {tested})"
+        return f"patch {patch_name} cannot tell the megatron-core version (tested range {tested})"
     if not specifier.contains(installed, prereleases=True):
-        return f"{patch_name}: megatron-core {installed} is outside the tested range {tested}"
+        return f"megatron-core {installed} is outside the tested range {tested} of patch {patch_name}"
     return None

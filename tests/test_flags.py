@@ -17,24 +17,30 @@ BOOLEANS = "1, true, yes, on, 0, false, no, off"
         ({"MEGATRON_LORA_STRICT": "2"}, ["demo"], None, FlagError,
          f"MEGATRON_LORA_STRICT must be one of {BOOLEANS}; got '2'"),
         ({"MEGATRON_LORA_DISABLED_PATCHES": "nope"}, ["demo"], None, FlagError,
-         f"MEGATRON_LORA_DISABLED_PATCHES names unknown patch 'nope'; known patches: {KNOWN}"),
+         f"MEGATRON_LORA_DISABLED_PATCHES names unknown patch 'nope'; known: {KNOWN}"),
         ({"MEGATRON_LORA_DISABLED_PATCHES": "demo_shout demo_optional"}, ["demo"], None, FlagError,
-         "MEGATRON_LORA_DISABLED_PATCHES must be a comma-separated list of names like 'lora_correct'; "
-         "got 'demo_shout demo_optional'"),
+         "MEGATRON_LORA_DISABLED_PATCHES names unknown patch 'demo_shout demo_optional' (separate names with "
+         "commas); did you mean 'demo_optional'?"),
         ({"MEGATRON_LORA_PATCH_DEMO_SHOUTT": "1"}, ["demo"], None, FlagError,
-         "MEGATRON_LORA_PATCH_DEMO_SHOUTT names no known patch; use one of MEGATRON_LORA_PATCH_DEMO_BROKEN, "
+         "MEGATRON_LORA_PATCH_DEMO_SHOUTT names no known patch; did you mean MEGATRON_LORA_PATCH_DEMO_SHOUT?"),
+        ({"MEGATRON_LORA_PATCH_XYZZY": "1"}, ["demo"], None, FlagError,
+         "MEGATRON_LORA_PATCH_XYZZY names no known patch; known: MEGATRON_LORA_PATCH_DEMO_BROKEN, "
          "MEGATRON_LORA_PATCH_DEMO_FUTURE, MEGATRON_LORA_PATCH_DEMO_OPTIONAL, MEGATRON_LORA_PATCH_DEMO_SHOUT, "
          "MEGATRON_LORA_PATCH_DEMO_UPSTREAM"),
+        ({"MEGATRON_LORA_STRCT": "1"}, ["demo"], None, FlagError,
+         "MEGATRON_LORA_STRCT is not a variable megatron-lora-patch reads; did you mean MEGATRON_LORA_STRICT?"),
+        ({"MEGATRON_LORA_ALLOW_UNTESTED": "perhaps"}, ["demo"], None, FlagError,
+         f"MEGATRON_LORA_ALLOW_UNTESTED must be one of {BOOLEANS}; got 'perhaps'"),
         ({"MEGATRON_LORA_PATCH_DEMO_SHOUT": "1", "MEGATRON_LORA_DISABLED_PATCHES": "demo_shout"}, ["demo"], None,
          FlagError,
          "MEGATRON_LORA_PATCH_DEMO_SHOUT turns demo_shout on but MEGATRON_LORA_DISABLED_PATCHES lists it; "
          "remove one of the two"),
         ({}, ["demo"], {"demo_shot": True}, FlagError,
-         f"the `enable` argument names unknown patch 'demo_shot'; known patches: {KNOWN}"),
+         "the `enable` argument names unknown patch 'demo_shot'; did you mean 'demo_shout'?"),
         ({"MEGATRON_PLUGINS": "nope"}, None, None, runtime.PluginError,
-         "MEGATRON_PLUGINS names unknown plugin 'nope'; installed plugins: canary, demo, lora_correct"),
-        ({"MEGATRON_PLUGINS": "lora-correct"}, None, None, FlagError,
-         "MEGATRON_PLUGINS must be a comma-separated list of names like 'lora_correct'; got 'lora-correct'"),
+         "MEGATRON_PLUGINS names unknown plugin 'nope'; known: canary, demo, lora_correct"),
+        ({"MEGATRON_PLUGINS": "lora-correct"}, None, None, runtime.PluginError,
+         "MEGATRON_PLUGINS names unknown plugin 'lora-correct'; did you mean 'lora_correct'?"),
         ({"MEGATRON_PLUGINS": " , "}, None, None, FlagError,
          "no plugin requested: set MEGATRON_PLUGINS=lora_correct or pass plugins=['lora_correct']"),
         ({}, ["canary"], None, runtime.PluginError,
@@ -72,27 +78,51 @@ def test_revert_of_unknown_patch(demo_plugins):
     ],
 )
 def test_version_strings(call, message):
-    if message is None:  # a valid call: returns the skip reason rather than raising
-        assert call() == "lora_linear: megatron-core 0.12.3 is outside the tested range >=0.13,<0.17"
+    if message is None:  # a valid call: returns the refusal reason rather than raising
+        assert call() == "megatron-core 0.12.3 is outside the tested range >=0.13,<0.17 of patch lora_linear"
         return
     with pytest.raises(versions.VersionError) as raised:
         call()
     assert str(raised.value) == message
 
 
-def test_installed_version_falls_back_to_package_info(monkeypatch):
+@pytest.fixture
+def no_megatron_core_metadata(monkeypatch):
+    """A source checkout without dist-info: the distribution metadata knows no megatron-core."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+
+    def version(name):
+        if name == versions.DISTRIBUTION:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+
+
+def test_version_is_read_from_the_imported_package_info_not_cached(no_megatron_core_metadata, monkeypatch):
+    import sys
+    import types
+
+    for name in ("megatron.core", "megatron.core.package_info"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert versions.installed_megatron_core() is None  # before import: no metadata, nothing to read
+    monkeypatch.setitem(sys.modules, "megatron.core", types.ModuleType("megatron.core"))
+    monkeypatch.setitem(sys.modules, "megatron.core.package_info", types.SimpleNamespace(__version__="0.19.2"))
+    assert str(versions.installed_megatron_core()) == "0.19.2"  # after import: the imported module's
+
+
+def test_imported_package_info_beats_the_metadata(monkeypatch):
     import importlib.metadata
     import sys
     import types
 
-    def missing(name):
-        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setitem(sys.modules, "megatron.core", types.ModuleType("megatron.core"))
+    monkeypatch.setitem(sys.modules, "megatron.core.package_info", types.SimpleNamespace(__version__="0.99.0"))
+    assert importlib.metadata.version("megatron-core") != "0.99.0"
+    assert str(versions.installed_megatron_core()) == "0.99.0"
 
-    monkeypatch.setattr(importlib.metadata, "version", missing)
-    monkeypatch.setitem(sys.modules, "megatron.core.package_info", types.SimpleNamespace(__version__="0.15.3"))
-    versions.installed_megatron_core.cache_clear()
-    try:
-        assert str(versions.installed_megatron_core()) == "0.15.3"
-    finally:
-        versions.installed_megatron_core.cache_clear()
-    assert flags.parse_bool("X", " ON ") is True
+
+def test_boolean_parsing_forgives_case_and_blanks():
+    assert flags.parse_bool("X", " ON ") is True and flags.parse_bool("X", "Off") is False

@@ -55,22 +55,25 @@ def test_default_off_patch_is_disabled_until_enabled(target, fresh):
     assert target.farewell is original
 
 
-def test_failure_half_way_leaves_nothing_applied(target, fresh, caplog):
+def test_failure_half_way_stops_and_leaves_nothing_applied(target, fresh, caplog):
     original = target.Greeter.__dict__["hello"]
-    with caplog.at_level(logging.ERROR, logger="megatron_lora_patch"):
-        rows = fresh.apply(["demo"], enable={"demo_broken": True})
-    row = next(r for r in rows if r.patch == "demo_broken")
-    assert row.state == "failed" and "RuntimeError: boom half way" in row.detail
+    with caplog.at_level(logging.DEBUG, logger="megatron_lora_patch"), pytest.raises(runtime.PatchError) as raised:
+        fresh.apply(["demo"], enable={"demo_broken": True})
+    assert str(raised.value) == (
+        "patch demo_broken failed on demo_target, nothing of it is applied: RuntimeError: boom half way; "
+        "fix the cause, or set MEGATRON_LORA_DISABLED_PATCHES=demo_broken to knowingly train without it"
+    )
     assert target.Greeter.__dict__["hello"] is original
-    assert "patch demo_broken failed on demo_target, nothing of it is applied" in caplog.text
-    assert states(rows)["demo_shout"] == "applied"  # one broken patch does not stop the others
+    rows = {row.patch: row for row in fresh.status()}
+    assert (rows["demo_broken"].state, rows["demo_broken"].detail) == ("failed", "RuntimeError: boom half way")
+    assert rows["demo_shout"].state == "applied"  # the other patches of the module had their turn
+    debug = [record for record in caplog.records if record.levelno == logging.DEBUG and record.exc_info]
+    assert "boom half way" in str(debug[0].exc_info[1])  # the root cause's traceback, at DEBUG only
 
 
-def test_failure_raises_in_strict_mode(target, fresh):
-    original = target.Greeter.__dict__["hello"]
-    with pytest.raises(runtime.PatchError, match="patch demo_broken failed on demo_target.*strict mode"):
-        fresh.apply(["demo"], enable={"demo_broken": True}, strict=True)
-    assert target.Greeter.__dict__["hello"] is original
+def test_failure_stops_whatever_strict_says(target, fresh):
+    with pytest.raises(runtime.PatchError, match="patch demo_broken failed on demo_target"):
+        fresh.apply(["demo"], enable={"demo_broken": True}, strict=False)
 
 
 def test_skip_patch_reverts_and_reports_reason(target, fresh):
@@ -80,21 +83,30 @@ def test_skip_patch_reverts_and_reports_reason(target, fresh):
     assert target.Greeter.__dict__["hello"] is original
 
 
-def test_version_gate_warns_and_skips(target, fresh, caplog):
+def test_version_gate_refuses_untested_version(target, fresh):
     original = target.farewell
-    with caplog.at_level(logging.WARNING, logger="megatron_lora_patch"):
-        rows = fresh.apply(["demo"], enable={"demo_future": True})
-    row = next(r for r in rows if r.patch == "demo_future")
-    assert row.state == "skipped"
-    assert row.detail == f"demo_future: megatron-core {row.installed} is outside the tested range >=99"
-    assert f"skipped demo_future: megatron-core {row.installed} is outside the tested range >=99" in caplog.text
+    with pytest.raises(runtime.PatchError) as raised:
+        fresh.apply(["demo"], enable={"demo_future": True})
+    row = next(r for r in fresh.status() if r.patch == "demo_future")
+    reason = f"megatron-core {row.installed} is outside the tested range >=99 of patch demo_future"
+    assert str(raised.value) == (
+        f"{reason}; set MEGATRON_LORA_ALLOW_UNTESTED=1 to apply it anyway, "
+        "or MEGATRON_LORA_DISABLED_PATCHES=demo_future to train without it"
+    )
+    assert (row.state, row.detail) == ("untested", reason)
     assert target.farewell is original
 
 
-def test_version_gate_raises_in_strict_mode(target, fresh, monkeypatch):
-    monkeypatch.setenv("MEGATRON_LORA_STRICT", "1")
-    with pytest.raises(runtime.PatchError, match=r"outside the tested range >=99 \(strict mode\)"):
-        fresh.apply(["demo"], enable={"demo_future": True})
+def test_allow_untested_applies_with_a_warning(target, fresh, monkeypatch, caplog):
+    monkeypatch.setenv("MEGATRON_LORA_ALLOW_UNTESTED", "1")
+    with caplog.at_level(logging.WARNING, logger="megatron_lora_patch"):
+        row = next(r for r in fresh.apply(["demo"], enable={"demo_future": True}) if r.patch == "demo_future")
+    note = (
+        f"untested: megatron-core {row.installed} is outside the tested range >=99 of patch demo_future, "
+        "applied because MEGATRON_LORA_ALLOW_UNTESTED is on"
+    )
+    assert (row.state, row.detail) == ("applied", note)
+    assert note in caplog.text and target.farewell() == "BYE"
 
 
 def test_precedence_argument_beats_env_beats_default(target, fresh, monkeypatch):
@@ -109,6 +121,13 @@ def test_precedence_argument_beats_env_beats_default(target, fresh, monkeypatch)
     assert (rows["demo_broken"].enabled, rows["demo_broken"].source) == (False, "default")
 
 
+def test_bad_flag_leaves_every_patch_not_configured(target, fresh, monkeypatch):
+    monkeypatch.setenv("MEGATRON_LORA_PATCH_DEMO_SHOUT", "maybe")
+    with pytest.raises(runtime.flags.FlagError):
+        fresh.apply(["demo"])
+    assert set(states(fresh.status()).values()) == {"not configured"}  # never "not imported yet"
+
+
 def test_plugins_see_resolved_settings(target, fresh):
     import demo_plugin
 
@@ -119,13 +138,15 @@ def test_plugins_see_resolved_settings(target, fresh):
 
 
 def test_status_rows_describe_every_patch(target, fresh):
+    import importlib.metadata
+
     row = next(r for r in fresh.apply(["demo"]) if r.patch == "demo_shout")
     assert row.as_dict() == {
         "plugin": "demo",
         "patch": "demo_shout",
         "target": "demo_target",
         "tested": ">=0.13",
-        "installed": row.installed,
+        "installed": importlib.metadata.version("megatron-core"),  # package_info agrees with it here
         "enabled": True,
         "source": "default",
         "state": "applied",
