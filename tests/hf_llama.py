@@ -8,6 +8,8 @@ split into gate / up; a wrong split shows up as a logits mismatch.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megatron_lora_patch.lora.layouts import fc1_to_gate_up, qkv_mixed_to_separate
@@ -17,8 +19,9 @@ MEGATRON_NORM_EPS = 1e-5  # TransformerConfig.layernorm_epsilon default
 MEGATRON_ROTARY_BASE = 10000.0  # GPTModel rotary_base default
 
 
-def hf_state_dict(spec: TinyGPTSpec, seed: int) -> dict:
-    weights = logical_state_dict(spec, seed)
+def hf_state_dict(spec: TinyGPTSpec, seed: int, weights: Optional[dict] = None) -> dict:
+    """HF names for the testbed's logical weights (those of (spec, seed) unless `weights` are given)."""
+    weights = weights if weights is not None else logical_state_dict(spec, seed)
     out = {
         "model.embed_tokens.weight": weights["embedding.word_embeddings.weight"],
         "model.norm.weight": weights["decoder.final_layernorm.weight"],
@@ -46,8 +49,9 @@ def hf_state_dict(spec: TinyGPTSpec, seed: int) -> dict:
     return out
 
 
-def llama_for(spec: TinyGPTSpec, seed: int):
-    """LlamaForCausalLM (fp32, eager attention, eval mode) with the logical base weights of (spec, seed)."""
+def llama_for(spec: TinyGPTSpec, seed: int, weights: Optional[dict] = None):
+    """LlamaForCausalLM (fp32, eager attention, eval mode) with the logical base weights of (spec, seed),
+    or `weights` (the testbed's logical names)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -69,6 +73,6 @@ def llama_for(spec: TinyGPTSpec, seed: int):
         torch_dtype=torch.float32,
     )
     model = LlamaForCausalLM(config)
-    missing, unexpected = model.load_state_dict(hf_state_dict(spec, seed), strict=False)
+    missing, unexpected = model.load_state_dict(hf_state_dict(spec, seed, weights), strict=False)
     assert not unexpected and all("rotary" in name for name in missing), (missing, unexpected)
     return model.eval()

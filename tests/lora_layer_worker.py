@@ -15,6 +15,8 @@ from typing import Dict
 
 import torch
 
+from error_metrics import max_abs_error_over_max
+
 SEQ, BATCH, HIDDEN, FFN = 8, 2, 16, 24
 RANK = 4
 DTYPE = torch.float32
@@ -58,12 +60,6 @@ def apply_lora_linear() -> None:
 
     wanted = {name: name in ("cpu_compat", "lora_linear") for name in PATCH_MODULES}
     megatron_lora_patch.apply(plugins=["lora_correct"], enable=wanted)
-
-
-def _max_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Max-abs error relative to the largest reference magnitude (scale-free, fp32 ~1e-7)."""
-    assert actual.shape == expected.shape, (tuple(actual.shape), tuple(expected.shape))
-    return (actual.detach() - expected).abs().max().item() / max(expected.abs().max().item(), 1e-30)
 
 
 def check_layers(rank: int, world: int, topology_spec: str, expert: bool, sp_input: str) -> Dict[str, float]:
@@ -151,10 +147,10 @@ def check_layers(rank: int, world: int, topology_spec: str, expert: bool, sp_inp
                     torch.distributed.all_reduce(grad, group=group)  # the finalize_grads SUM
             assert adapter_info(adapter.A).replicated is column and adapter_info(adapter.B).replicated is not column
             assert module.weight.grad is None
-            errors[f"{name}.y"] = _max_err(y_local, expected_y)
-            errors[f"{name}.dx"] = _max_err(dx, expected_dx)
-            errors[f"{name}.dA"] = _max_err(grad_a, da_ref if column else shard(da_ref, 1, tp_rank, tp))
-            errors[f"{name}.dB"] = _max_err(grad_b, shard(db_ref, 0, tp_rank, tp) if column else db_ref)
-            errors[f"{name}.A_init"] = _max_err(adapter.A, lora_a if column else shard(lora_a, 1, tp_rank, tp))
-            errors[f"{name}.B_init"] = _max_err(adapter.B, shard(lora_b, 0, tp_rank, tp) if column else lora_b)
+            errors[f"{name}.y"] = max_abs_error_over_max(y_local, expected_y)
+            errors[f"{name}.dx"] = max_abs_error_over_max(dx, expected_dx)
+            errors[f"{name}.dA"] = max_abs_error_over_max(grad_a, da_ref if column else shard(da_ref, 1, tp_rank, tp))
+            errors[f"{name}.dB"] = max_abs_error_over_max(grad_b, shard(db_ref, 0, tp_rank, tp) if column else db_ref)
+            errors[f"{name}.A_init"] = max_abs_error_over_max(adapter.A, lora_a if column else shard(lora_a, 1, tp_rank, tp))
+            errors[f"{name}.B_init"] = max_abs_error_over_max(adapter.B, shard(lora_b, 0, tp_rank, tp) if column else lora_b)
     return errors

@@ -14,6 +14,7 @@ from typing import Dict, List
 
 import torch
 
+from error_metrics import max_abs_error_over_max
 from megatron_lora_patch.lora.config import LoraConfig
 from megatron_lora_patch.testing.models import TinyGPTSpec
 
@@ -108,12 +109,6 @@ def _gather_last(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Max-abs error relative to the largest reference magnitude."""
-    assert actual.shape == expected.shape, (tuple(actual.shape), tuple(expected.shape))
-    return (actual.detach() - expected).abs().max().item() / max(expected.abs().max().item(), 1e-30)
-
-
 def qkv_errors(model, spec: TinyGPTSpec) -> Dict[str, float]:
     """Layer 0's q, k, v (as Megatron's attention splits them) vs separate dense q/k/v with LoRA.
 
@@ -151,12 +146,12 @@ def qkv_errors(model, spec: TinyGPTSpec) -> Dict[str, float]:
     separate = zip(qkv_mixed_to_separate(weight, heads, groups, head_dim), qkv_mixed_to_separate(lora_b, heads, groups, head_dim))
     references = [x @ w.t() + LORA.scale * (x @ lora_a.t()) @ b.t() for w, b in separate]
     base_q = x @ qkv_mixed_to_separate(weight, heads, groups, head_dim)[0].t()
-    errors = {"lora_share_of_q": relative_error(base_q, references[0])}  # must be large: a real delta
+    errors = {"lora_share_of_q": max_abs_error_over_max(base_q, references[0])}  # must be large: a real delta
     for label, tensor, reference in zip("qkv", seen["qkv"], references):
-        errors[label] = relative_error(_gather_last(tensor.flatten(2)), reference)
+        errors[label] = max_abs_error_over_max(_gather_last(tensor.flatten(2)), reference)
     mixed = _gather_last(seen["out"]).reshape(-1, weight.shape[0]).t()
     for label, rows, reference in zip("qkv", qkv_mixed_to_separate(mixed, heads, groups, head_dim), references):
-        errors["mixed_" + label] = relative_error(rows.t(), reference.reshape(-1, reference.shape[-1]))
+        errors["mixed_" + label] = max_abs_error_over_max(rows.t(), reference.reshape(-1, reference.shape[-1]))
     return errors
 
 
@@ -180,7 +175,7 @@ def merged_error(model, spec: TinyGPTSpec, topology) -> float:
     tokens, positions, mask, _ = batch(spec)
     with torch.no_grad():
         actual, expected = (_gather_last(m(tokens, positions, mask)) for m in (model, plain))
-    return relative_error(actual, expected)
+    return max_abs_error_over_max(actual, expected)
 
 
 def adapter_grads(spec: TinyGPTSpec, topology, lora: LoraConfig, **overrides) -> Dict[str, torch.Tensor]:
@@ -209,7 +204,7 @@ def recompute_errors(spec: TinyGPTSpec, topology) -> Dict[str, float]:
         grads = adapter_grads(spec, topology, lora, **overrides)
         assert grads.keys() == reference.keys(), (variant, sorted(grads))
         for name, grad in grads.items():
-            errors[f"{variant}:{name}"] = float("inf") if grad is None else relative_error(grad, reference[name])
+            errors[f"{variant}:{name}"] = float("inf") if grad is None else max_abs_error_over_max(grad, reference[name])
     return errors
 
 

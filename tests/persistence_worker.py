@@ -80,8 +80,19 @@ def assemble(rank_results: List[List[dict]]) -> Dict[str, Tuple[torch.Tensor, to
     return logical
 
 
-def expected_logical(spec, config: LoraConfig, names) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
-    """The logical init of every adapter name, from (seed, name, expert) alone."""
+def adapter_names(spec) -> List[str]:
+    """Every adapter the default targets attach to `spec`, named from the spec alone (never from a result)."""
+    names = []
+    for layer in range(spec.num_layers):
+        prefix = f"decoder.layers.{layer}."
+        mlps = [f"mlp.experts.local_experts.{e}." for e in range(spec.num_experts)] if spec.is_moe else ["mlp."]
+        names += [prefix + "self_attention.linear_qkv", prefix + "self_attention.linear_proj"]
+        names += [prefix + mlp + linear for mlp in mlps for linear in ("linear_fc1", "linear_fc2")]
+    return names
+
+
+def expected_logical(spec, config: LoraConfig) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """The logical init of every adapter of `spec`, from (seed, name, expert) alone."""
     from megatron_lora_patch.lora.init import logical_factors
 
     hidden, kv = spec.hidden_size, spec.kv_channels
@@ -92,7 +103,7 @@ def expected_logical(spec, config: LoraConfig, names) -> Dict[str, Tuple[torch.T
         "linear_fc2": (spec.expert_ffn_hidden_size if spec.is_moe else spec.ffn_hidden_size, hidden),
     }
     result = {}
-    for name in names:
+    for name in adapter_names(spec):
         expert = int(name.split("local_experts.")[1].split(".")[0]) if "local_experts." in name else None
         in_size, out_size = sizes[name.rsplit(".", 1)[-1]]
         result[name] = logical_factors(config, name, expert, in_size, out_size)
@@ -198,3 +209,53 @@ def import_and_save_world(rank: int, world: int, topology: str, spec, peft_dir: 
         import_peft(chunks, peft_dir)
         save_adapters(chunks, directory)
         return local_adapters(chunks)
+
+
+def _tree_bytes(directory: str) -> Dict[str, bytes]:
+    import os
+
+    files = {}
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(parent, name)
+            with open(path, "rb") as handle:
+                files[os.path.relpath(path, directory)] = handle.read()
+    return files
+
+
+def overwrite_world(rank: int, world: int, topology: str, spec, seed: int, root: str) -> dict:
+    """A base-model checkpoint and adapter checkpoints in `root`, then `save_adapters` over non-empty targets.
+
+    `root/base`: the model without adapters, which `save_adapters` must refuse to overwrite
+    (its bytes before and after are returned); `root/adapters`: the adapters of `seed`;
+    `root/replaced`: first those adapters, then replaced (`overwrite=True`) by them with B doubled.
+    """
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_lora_patch.errors import UsageError
+    from megatron_lora_patch.lora.checkpoint import adapters_of, is_adapter_key, save_adapters
+    from megatron_lora_patch.testing.models import build_model
+    from megatron_lora_patch.testing.topology import Topology
+
+    setup(lora_config(seed))
+    paths = {name: os.path.join(root, name) for name in ("base", "adapters", "replaced")}
+    with Topology.parse(topology).world():
+        chunks = build_model(spec, Topology.parse(topology))
+        base = {key: value for key, value in chunks[0].sharded_state_dict().items() if not is_adapter_key(key)}
+        os.makedirs(paths["base"], exist_ok=True)
+        dist_checkpointing.save(base, paths["base"])
+        before = _tree_bytes(paths["base"])
+        try:
+            save_adapters(chunks, paths["base"])
+            refusal = None
+        except UsageError as error:
+            refusal = str(error)
+        save_adapters(chunks, paths["adapters"])
+        save_adapters(chunks, paths["replaced"])
+        with torch.no_grad():
+            for adapter in adapters_of(chunks).values():
+                adapter.B.mul_(2)
+        save_adapters(chunks, paths["replaced"], overwrite=True)
+        return {"refusal": refusal, "base_before": before, "base_after": _tree_bytes(paths["base"]), "paths": paths}

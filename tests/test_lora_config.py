@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from megatron_lora_patch.errors import UsageError
 from megatron_lora_patch.lora.config import DEFAULT_TARGETS, LoraConfig, LoraConfigError
 
 
@@ -80,6 +81,16 @@ def test_bad_variable_fails_with_one_line(variable, value, message):
     with pytest.raises(LoraConfigError) as raised:
         LoraConfig.from_env({variable: value})
     assert str(raised.value) == message
+    assert isinstance(raised.value, UsageError)  # printed as one line, no traceback
+
+
+def test_empty_or_blank_variable_means_unset(tmp_path):
+    """As for the runtime's flags: `MEGATRON_LORA_RANK=` is the default, not an error."""
+    environ = {"MEGATRON_LORA_RANK": "", "MEGATRON_LORA_TARGETS": "  ", "MEGATRON_LORA_CONFIG": " "}
+    assert LoraConfig.from_env(environ) == LoraConfig()
+    path = tmp_path / "lora.json"
+    path.write_text('{"rank": 4}')
+    assert LoraConfig.from_env({"MEGATRON_LORA_CONFIG": str(path), "MEGATRON_LORA_RANK": ""}).rank == 4
 
 
 def test_bad_config_files(tmp_path):
@@ -98,7 +109,7 @@ def test_bad_config_files(tmp_path):
     with pytest.raises(LoraConfigError) as raised:
         LoraConfig.from_env({"MEGATRON_LORA_CONFIG": str(unknown)})
     assert str(raised.value) == (
-        f"MEGATRON_LORA_CONFIG ({unknown}): unknown key 'rnak'; accepted keys: "
+        f"MEGATRON_LORA_CONFIG ({unknown}): unknown key 'rnak' (did you mean 'rank'?); accepted keys: "
         "rank, alpha, dropout, targets, exclude, init, b_init, seed, sp_input"
     )
 
@@ -107,6 +118,12 @@ def test_bad_config_files(tmp_path):
     with pytest.raises(LoraConfigError) as raised:
         LoraConfig.from_env({"MEGATRON_LORA_CONFIG": str(typed)})
     assert str(raised.value) == f"rank in {typed} must be a positive integer, got -2"
+
+    listed = tmp_path / "listed.json"
+    listed.write_text('{"rank": [4]}')
+    with pytest.raises(LoraConfigError) as raised:
+        LoraConfig.from_env({"MEGATRON_LORA_CONFIG": str(listed)})
+    assert str(raised.value) == f"rank in {listed} must be a positive integer, got [4]"  # as written
 
     broken = tmp_path / "broken.json"
     broken.write_text("{rank: 4")

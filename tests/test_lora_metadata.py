@@ -21,7 +21,12 @@ def test_fp32_main_copy_keeps_adapter_metadata():
         tensor_parallel.copy_tensor_model_parallel_attributes(main, factor)
         assert adapter_info(main) is info
         plain = torch.nn.Parameter(torch.zeros(2))
-        tensor_parallel.copy_tensor_model_parallel_attributes(torch.zeros(2), plain)  # non-adapters untouched
+        tensor_parallel.set_tensor_model_parallel_attributes(plain, True, 0, 1)
+        plain_main = torch.zeros(2)
+        tensor_parallel.copy_tensor_model_parallel_attributes(plain_main, plain)
+        assert adapter_info(plain_main) is None  # non-adapters get no adapter metadata...
+        copied = (plain_main.tensor_model_parallel, plain_main.partition_dim, plain_main.partition_stride)
+        assert copied == (True, 0, 1)  # ...and still Megatron's own TP attributes
     finally:
         registry.revert()
     reverted = torch.zeros(2, 3)

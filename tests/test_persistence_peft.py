@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from error_metrics import max_abs_error_over_max
 from megatron_lora_patch.lora import peft as peft_format
 from megatron_lora_patch.testing.launcher import run_world
 from megatron_lora_patch.testing.models import DEFAULT_SEED, TinyGPTSpec
@@ -25,11 +26,6 @@ import persistence_worker as worker
 SPEC = TinyGPTSpec()  # 4 heads in 2 query groups (GQA), SwiGLU, RoPE, RMSNorm, untied embeddings
 LOGITS_TOLERANCE = 1e-5  # max-abs error relative to the largest logit, fp32
 EXPORT_SEED = 21
-
-
-def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert actual.shape == expected.shape, (tuple(actual.shape), tuple(expected.shape))
-    return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
 def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -63,9 +59,9 @@ def test_peft_loads_export_and_matches_megatron_logits(exported):
     model = PeftModel.from_pretrained(base, exported["peft"]).eval()
     with torch.no_grad():
         peft_logits = model(tokens).logits
-    assert _relative_error(peft_logits, megatron_logits) <= LOGITS_TOLERANCE
+    assert max_abs_error_over_max(peft_logits, megatron_logits) <= LOGITS_TOLERANCE
     # The adapter matters: without it the logits are far off (so the check above is not vacuous).
-    assert _relative_error(base_logits, megatron_logits) > 100 * LOGITS_TOLERANCE
+    assert max_abs_error_over_max(base_logits, megatron_logits) > 100 * LOGITS_TOLERANCE
     with open(os.path.join(exported["peft"], peft_format.CONFIG_NAME)) as handle:
         config = json.load(handle)
     assert config["r"] == 4 and config["lora_alpha"] == 8.0
@@ -75,8 +71,8 @@ def test_peft_loads_export_and_matches_megatron_logits(exported):
 def test_merge_equals_adapter_forward_and_unmerge_restores(exported):
     for rank in exported["ranks"]:
         assert rank["merged_count"] == 4 * SPEC.num_layers
-        assert _relative_error(rank["merged"], rank["adapted"]) <= LOGITS_TOLERANCE
-        assert _relative_error(rank["unmerged"], rank["adapted"]) <= LOGITS_TOLERANCE
+        assert max_abs_error_over_max(rank["merged"], rank["adapted"]) <= LOGITS_TOLERANCE
+        assert max_abs_error_over_max(rank["unmerged"], rank["adapted"]) <= LOGITS_TOLERANCE
         assert rank["weight_drift"] <= 1e-7  # fp32 rounding of W + d - d on |W| ~ 0.1
 
 
@@ -88,16 +84,11 @@ def test_import_on_pp2_then_export_gives_identical_bytes(exported):
         worker.import_and_save_world, 2, args=("pp2", SPEC, exported["peft"], checkpoint), name="pp2", timeout=240
     )
     logical = worker.assemble(results)
-    expected = worker.expected_logical(SPEC, worker.lora_config(EXPORT_SEED), logical)
-    assert len(logical) == 4 * SPEC.num_layers
+    expected = worker.expected_logical(SPEC, worker.lora_config(EXPORT_SEED))
+    assert len(expected) == 4 * SPEC.num_layers and set(logical) == set(expected), sorted(set(logical) ^ set(expected))
     assert all(all(map(torch.equal, logical[name], expected[name])) for name in expected)
     export_peft(checkpoint, again)
     for name in (peft_format.WEIGHTS_NAME, peft_format.CONFIG_NAME):
         with open(os.path.join(exported["peft"], name), "rb") as first, open(os.path.join(again, name), "rb") as second:
             assert first.read() == second.read(), name
 
-
-def test_export_cli_refuses_a_directory_that_is_no_adapter_checkpoint(tmp_path):
-    done = _cli("export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "out"), cwd=tmp_path)
-    assert done.returncode == 2
-    assert done.stderr.count("\n") == 1 and "is not a Megatron distributed checkpoint" in done.stderr, done.stderr

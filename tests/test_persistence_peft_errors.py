@@ -54,6 +54,7 @@ def test_valid_adapter_round_trips_exactly():
     tensors, config = _valid()
     assert len(tensors) == 2 * 7
     logical, restored = _logical(), _import(tensors, config)
+    assert set(restored) == set(logical) == set(SHAPES), sorted(restored)
     assert all(torch.equal(restored[n][i], logical[n][i]) for n in logical for i in (0, 1))
 
 

@@ -10,19 +10,32 @@ optimizer); other models can call `attach_adapters(model)` themselves.
 Names are canonicalized to the world-size-1 model: a transformer layer's index is its
 global `layer_number - 1` (PP / VPP stages hold local indices), and a local expert's
 index is its global expert index (EP ranks hold local indices).
+
+Fail closed: every target entry set by the user (the defaults need not all exist) and
+every exclude entry must match some linear layer of the model
+(else it is a typo: a `LoraConfigError` naming the entry, where it was set, a "did you
+mean" and the layer names that exist), and the model chunk must end with at least one
+adapter. A PP stage or EP rank holds only some layers / experts, so an entry that matches
+nothing here is checked against the names the whole model has (each layer and expert
+index over its full range, the output layer on the other stages).
 """
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
+import itertools
 import logging
+import re
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from .adapter import LoraAdapter
-from .config import LoraConfig, LoraConfigError, active
+from .config import DEFAULT_TARGETS, LoraConfig, LoraConfigError, active_with_labels, code_labels
+from .megatron_checkpoint import remember
 from .metadata import ADAPTER_NAME, adapter_info
+from .unsupported import refuse_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +87,85 @@ def _matches(name: str, patterns: tuple) -> bool:
     return any(pattern == short or fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
+_INDEX = re.compile(r"(?<=layers\.)\d+|(?<=local_experts\.)\d+")
+
+
+def _whole_model_names(model: torch.nn.Module, names: List[str]) -> set:
+    """The linear names of the whole (world-size-1) model, from those of this chunk."""
+    config = getattr(model, "config", None)
+    ranges = {
+        "layers.": range(getattr(config, "num_layers", 0) or 0),
+        "local_experts.": range(getattr(config, "num_moe_experts", 0) or 0),
+    }
+    whole = set(names)
+    for name in names:
+        spans = list(_INDEX.finditer(name))
+        kinds = [next(k for k in ranges if name.endswith(k, 0, span.start())) for span in spans]
+        choices = [ranges[kind] or [span.group()] for kind, span in zip(kinds, spans)]
+        for indices in itertools.product(*choices):
+            parts, end = [], 0
+            for span, index in zip(spans, indices):
+                parts += [name[end : span.start()], str(index)]
+                end = span.end()
+            whole.add("".join(parts) + name[end:])
+    if not getattr(model, "post_process", True) and not getattr(model, "share_embeddings_and_output_weights", False):
+        whole.add("output_layer")  # on the last pipeline stage
+    return whole
+
+
+def _short_names(names: List[str]) -> List[str]:
+    return list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in names))
+
+
+def _layer_list(names: List[str]) -> str:
+    shorts = _short_names(names)
+    example = f" (or fnmatch globs over qualified names such as {names[0]!r})" if names else ""
+    return (", ".join(shorts) or "(none)") + example
+
+
+def _check_entries(model: torch.nn.Module, names: List[str], entries: tuple, label: str) -> None:
+    """Every entry matches a linear layer here or elsewhere in the whole model, else a typo."""
+    whole: Optional[set] = None
+    for entry in entries:
+        if any(_matches(name, (entry,)) for name in names):
+            continue
+        whole = _whole_model_names(model, names) if whole is None else whole
+        if any(_matches(name, (entry,)) for name in whole):
+            continue
+        is_glob = any(char in entry for char in "*?[")  # a glob's nearest name says little
+        close = [] if is_glob else difflib.get_close_matches(entry, _short_names(names) + sorted(whole), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise LoraConfigError(
+            f"{label} entry {entry!r} matches no linear layer of the model{hint}; "
+            f"linear layers: {_layer_list(names)}"
+        )
+
+
+def _setting(label: str, values: tuple) -> str:
+    text = ",".join(values)
+    return f"{label}={text!r}" if label.isidentifier() else f"{label} {text!r}"
+
+
+def _select(model: torch.nn.Module, names: List[str], config: LoraConfig, labels: dict) -> List[str]:
+    """The names of the linears to adapt; raises when an entry is a typo or nothing is selected."""
+    if config.targets != DEFAULT_TARGETS:  # the defaults need not all exist in every model
+        _check_entries(model, names, config.targets, labels["targets"])
+    _check_entries(model, names, config.exclude, labels["exclude"])
+    targeted = [name for name in names if _matches(name, config.targets)]
+    selected = [name for name in targeted if not _matches(name, config.exclude)]
+    if selected or any(adapter_info(p) for p in model.parameters()):
+        return selected
+    if targeted:
+        raise LoraConfigError(
+            f"{_setting(labels['exclude'], config.exclude)} excludes all {len(targeted)} linear layers that "
+            f"{labels['targets']} selects, so LoRA would train nothing; narrow {labels['exclude']}"
+        )
+    raise LoraConfigError(  # the entries match layers of other pipeline stages / expert ranks only
+        f"{_setting(labels['targets'], config.targets)} selects no linear layer of this model chunk, so its "
+        f"rank would train nothing; add one of its layers: {_layer_list(names)}"
+    )
+
+
 def _out_stride(name: str, parent: torch.nn.Module) -> int:
     """2 for a gated (SwiGLU) fc1 (MLP, or TE grouped experts): TP shards hold `[gate_shard; up_shard]`."""
     gated = getattr(getattr(parent, "config", None), "gated_linear_unit", False)
@@ -105,24 +197,18 @@ def _adapter_specs(name, kind, expert_index, module, parent) -> List[Tuple[str, 
 def attach_adapters(model: torch.nn.Module, config: Optional[LoraConfig] = None) -> List[str]:
     """Attach a `LoraAdapter` to every targeted parallel linear of `model`; freeze the rest.
 
-    Returns the canonical names of the adapted modules. Raises `LoraConfigError` when
-    the targets match no linear layer (listing the ones that exist) or when the rank
-    exceeds a targeted layer's dimensions. Calling it again adds nothing.
+    Returns the canonical names of the adapted modules. Raises `LoraConfigError` when a
+    target or exclude entry matches no linear layer, when nothing is selected, or when the
+    rank exceeds a targeted layer's dimensions. Calling it again adds nothing.
     """
-    config = config or active()
+    config, labels = (config, code_labels()) if config is not None else active_with_labels()
     linears: Dict[str, Tuple[Tuple[str, bool, bool], Optional[int], torch.nn.Module, torch.nn.Module]] = {}
     for name, expert_index, module, parent in canonical_modules(model):
         kind = _linear_kind(module)
         if kind is not None:
             linears[name] = (kind, expert_index, module, parent)
-    selected = [
-        name for name in linears if _matches(name, config.targets) and not _matches(name, config.exclude)
-    ]
-    if not selected and not any(adapter_info(p) for p in model.parameters()):
-        raise LoraConfigError(
-            f"LoRA targets {','.join(config.targets)} (exclude {','.join(config.exclude) or '-'}) match no "
-            f"linear layer; set MEGATRON_LORA_TARGETS to names from: {', '.join(linears) or '(none)'}"
-        )
+    selected = _select(model, list(linears), config, labels)
+    refuse_unsupported(model, ((name, *linears[name][2:]) for name in selected))
     for name in selected:
         kind, expert_index, module, parent = linears[name]
         if ADAPTER_NAME in module._modules:
@@ -133,7 +219,7 @@ def attach_adapters(model: torch.nn.Module, config: Optional[LoraConfig] = None)
             if config.rank > smallest:
                 raise LoraConfigError(
                     f"LoRA rank {config.rank} exceeds {name} (in {geometry.input_size}, out "
-                    f"{geometry.output_size}); set MEGATRON_LORA_RANK <= {smallest}"
+                    f"{geometry.output_size}); set {labels['rank']} <= {smallest}"
                 )
             adapters.append(
                 LoraAdapter(
@@ -148,6 +234,7 @@ def attach_adapters(model: torch.nn.Module, config: Optional[LoraConfig] = None)
         grouped = kind[1]
         module.add_module(ADAPTER_NAME, torch.nn.ModuleList(adapters) if grouped else adapters[0])
     freeze_base(model)
+    remember(model)
     logger.info("LoRA: %d adapters (rank %d, scale %g)", len(selected), config.rank, config.scale)
     return selected
 

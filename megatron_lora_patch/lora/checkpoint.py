@@ -30,6 +30,9 @@ from typing import Any, Dict, Iterable, Optional
 
 import torch
 
+from megatron_lora_patch.errors import UsageError
+
+from . import staging
 from .adapter import LoraAdapter
 from .metadata import ADAPTER_NAME
 
@@ -37,11 +40,14 @@ from .metadata import ADAPTER_NAME
 DESCRIPTION_KEY = "megatron_lora_patch"
 #: Version of the description layout; bumped when its fields change meaning.
 DESCRIPTION_FORMAT = 1
+#: How the saved factors are laid out: fused qkv B rows per query group `[q heads, k, v]`,
+#: SwiGLU fc1 B rows `[gate; up]`, stacked over layers (axis 0) and experts (axis 1).
+LAYOUT = "megatron"
 _ADAPTER_SEGMENT = f".{ADAPTER_NAME}."
 
 
-class AdapterCheckpointError(ValueError):
-    """An adapter checkpoint does not fit the model (the message is one line)."""
+class AdapterCheckpointError(UsageError, ValueError):
+    """An adapter checkpoint is missing, foreign or does not fit the model (the message is one line)."""
 
 
 def _data_parallel_rank(metadata: Optional[dict]) -> int:
@@ -138,7 +144,7 @@ def adapters_of(chunks: Iterable[torch.nn.Module]) -> Dict[str, LoraAdapter]:
 def _single_model(chunks: Iterable[torch.nn.Module]) -> torch.nn.Module:
     chunks = list(chunks)
     if len(chunks) != 1:
-        raise ValueError(
+        raise AdapterCheckpointError(
             f"adapter checkpoints take one model chunk per rank, got {len(chunks)} (virtual pipeline stages)"
         )
     model = chunks[0]
@@ -164,6 +170,8 @@ def describe(chunks: Iterable[torch.nn.Module]) -> Dict[str, Any]:
         "format": DESCRIPTION_FORMAT,
         "rank": adapters[0].rank,
         "alpha": adapters[0].scale * adapters[0].rank,
+        "targets": sorted({adapter.module_name.rsplit(".", 1)[-1] for adapter in adapters}),
+        "layout": LAYOUT,
         "num_layers": config.num_layers,
         "hidden_size": config.hidden_size,
         "num_attention_heads": config.num_attention_heads,
@@ -174,30 +182,81 @@ def describe(chunks: Iterable[torch.nn.Module]) -> Dict[str, Any]:
     }
 
 
-def save_adapters(chunks: Iterable[torch.nn.Module], directory: str) -> None:
-    """Write an adapter-only distributed checkpoint of this rank's model (collective: call on every rank)."""
+def _rank_zero() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _from_rank_zero(value: Optional[str]) -> str:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value  # type: ignore[return-value]
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def save_adapters(chunks: Iterable[torch.nn.Module], directory: str, overwrite: bool = False) -> None:
+    """Write an adapter-only distributed checkpoint of this rank's model (collective: call on every rank).
+
+    A non-empty `directory` (another checkpoint, a base model) is refused unless `overwrite`;
+    the ranks write into a staging directory beside it that replaces it only when complete.
+    """
     from megatron.core import dist_checkpointing
 
     chunks = list(chunks)
     state = adapter_only_sharded_state_dict(chunks)
     state[DESCRIPTION_KEY] = describe(chunks)
-    os.makedirs(directory, exist_ok=True)  # every rank: they may not share a parent process
-    dist_checkpointing.save(state, directory)
+    label = "save_adapters: directory"
+    staging.check_target(directory, label, "pass overwrite=True", overwrite)
+    _barrier()  # every rank has seen the target as it was before anyone writes
+    partial = _from_rank_zero(staging.make_staging(directory, label) if _rank_zero() else None)
+    try:
+        dist_checkpointing.save(state, partial)
+        _barrier()
+    except BaseException:
+        if _rank_zero():
+            staging.discard(partial)
+        raise
+    if _rank_zero():
+        staging.publish(partial, directory, label)
+    _barrier()
 
 
-def read_description(directory: str) -> Dict[str, Any]:
-    """The description saved by `save_adapters`, or an `AdapterCheckpointError`."""
+def read_description(directory: str, label: str = "adapter checkpoint") -> Dict[str, Any]:
+    """The description saved by `save_adapters`, or a one-line `AdapterCheckpointError` saying what `directory` is."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CONFIG_FNAME
 
+    fix = "pass the directory save_adapters wrote"
+    if not directory:
+        raise AdapterCheckpointError(f"{label} is empty; {fix}")
+    if not os.path.exists(directory):
+        raise AdapterCheckpointError(f"{label} {directory} does not exist; {fix}")
+    if not os.path.isdir(directory):
+        raise AdapterCheckpointError(f"{label} {directory} is a file, not a directory; {fix}")
+    if not os.path.isfile(os.path.join(directory, CONFIG_FNAME)):
+        raise AdapterCheckpointError(
+            f"{label} {directory} is not a Megatron distributed checkpoint (no {CONFIG_FNAME}); {fix}"
+        )
     try:
         common = dist_checkpointing.load_common_state_dict(directory)
-    except Exception as error:  # a missing / foreign directory fails in several ways
-        raise AdapterCheckpointError(f"{directory} is not a Megatron distributed checkpoint: {error}") from None
-    description = (common or {}).get(DESCRIPTION_KEY)
+    except Exception as error:  # a damaged common state fails in several ways
+        raise AdapterCheckpointError(f"{label} {directory} is an unreadable distributed checkpoint: {error}") from None
+    description = common.get(DESCRIPTION_KEY) if isinstance(common, dict) else None
     if not isinstance(description, dict) or description.get("format") != DESCRIPTION_FORMAT:
         raise AdapterCheckpointError(
-            f"{directory} has no megatron-lora-patch adapter description (format {DESCRIPTION_FORMAT}); "
-            "write it with megatron_lora_patch.lora.checkpoint.save_adapters"
+            f"{label} {directory} holds no megatron-lora-patch adapters (a base-model checkpoint?); "
+            f"write one with megatron_lora_patch.lora.checkpoint.save_adapters"
         )
     return description
 

@@ -11,15 +11,26 @@ already gathered, so LoRA adds no collective at all (the same count as the froze
 costs one gathered activation per adapted column layer); "regather" saves only the
 local shard and all-gathers it again in backward (the trade Megatron makes for its
 trainable weights: one extra all-gather, less activation memory).
+
+Fail closed (docs: fail-closed): the `lora_correct` plugin parses every `MEGATRON_LORA_*`
+LoRA variable once, when it activates (`configure_from_env`, called from the plugin's
+`megatron_lora_patch_configure`), whether or not the `lora_linear` patch is enabled: a
+value the user set is a mistake either way. A bad value is a `LoraConfigError` (a
+`UsageError`: one line naming the variable, the value and what is accepted). The parsed
+configuration is cached, so the model build uses exactly what was validated. An empty
+(or blank) variable means unset, as for the runtime's flags.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
 from typing import Any, Callable, Mapping, Optional
+
+from megatron_lora_patch.errors import UsageError
 
 ENV_PREFIX = "MEGATRON_LORA_"
 CONFIG_FILE_VARIABLE = ENV_PREFIX + "CONFIG"
@@ -29,8 +40,9 @@ B_INIT_CHOICES = ("zero", "nonzero")
 SP_INPUT_CHOICES = ("keep", "regather")
 
 
-class LoraConfigError(ValueError):
-    """A configuration value is invalid; the message is one line naming where it came from."""
+class LoraConfigError(UsageError, ValueError):
+    """A configuration value is invalid; the message is one line naming where it came from.
+    (Still a ValueError, as before, for callers that catch that.)"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,16 +71,24 @@ class LoraConfig:
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "LoraConfig":
         """Defaults, then the `MEGATRON_LORA_CONFIG` file, then single variables."""
-        environ = os.environ if environ is None else environ
-        values: dict = {}
-        path = environ.get(CONFIG_FILE_VARIABLE)
-        if path:
-            values.update(_read_config_file(path))
-        for name in _RULES:
-            variable = ENV_PREFIX + name.upper()
-            if variable in environ:
-                values[name] = _parse(name, environ[variable], variable)
-        return cls(**values)
+        return _parse_environment(os.environ if environ is None else environ)[0]
+
+
+def _parse_environment(environ: Mapping[str, str]) -> "tuple[LoraConfig, dict]":
+    """The configuration and, per field, the label naming where its value came from."""
+    values: dict = {}
+    labels = {name: ENV_PREFIX + name.upper() for name in _RULES}
+    path = environ.get(CONFIG_FILE_VARIABLE, "").strip()
+    if path:
+        values.update(_read_config_file(path))
+        labels.update({name: f"{name} in {path}" for name in values})
+    for name in _RULES:
+        variable = ENV_PREFIX + name.upper()
+        raw = environ.get(variable, "")
+        if raw.strip():  # empty or blank means unset
+            values[name] = _parse(name, raw, variable)
+            labels[name] = variable
+    return LoraConfig(**values), labels
 
 
 def env_variables() -> tuple:
@@ -77,6 +97,7 @@ def env_variables() -> tuple:
 
 
 _active: Optional[LoraConfig] = None
+_from_environment: Optional["tuple[LoraConfig, dict]"] = None  # parsed at plugin activation
 
 
 def set_active(config: Optional[LoraConfig]) -> None:
@@ -85,9 +106,32 @@ def set_active(config: Optional[LoraConfig]) -> None:
     _active = config
 
 
+def configure_from_env(environ: Optional[Mapping[str, str]] = None) -> LoraConfig:
+    """Parse every LoRA variable now (at plugin activation) and keep the result for the model build."""
+    global _from_environment
+    _from_environment = None  # a failed parse leaves no stale configuration behind
+    _from_environment = _parse_environment(os.environ if environ is None else environ)
+    return _from_environment[0]
+
+
 def active() -> LoraConfig:
-    """The configuration in force: the one given to `set_active`, else `from_env()`."""
-    return _active if _active is not None else LoraConfig.from_env()
+    """The configuration in force: the one given to `set_active`, else the one parsed at
+    activation, else (no plugin activation in this process) the environment now."""
+    return active_with_labels()[0]
+
+
+def active_with_labels() -> "tuple[LoraConfig, dict]":
+    """`active()` and, per field, what the user sets to change it (for error messages):
+    a variable, a key of the config file, or `LoraConfig.<field>` for a configuration from code."""
+    if _active is not None:
+        return _active, code_labels()
+    if _from_environment is not None:
+        return _from_environment
+    return _parse_environment(os.environ)
+
+
+def code_labels() -> dict:
+    return {name: f"LoraConfig.{name}" for name in _RULES}
 
 
 def _split_names(text: str) -> tuple:
@@ -179,15 +223,18 @@ def _read_config_file(path: str) -> dict:
     values = {}
     for key, value in data.items():
         if key not in _RULES:
-            raise LoraConfigError(f"{where}: unknown key {key!r}; accepted keys: {', '.join(_RULES)}")
+            close = difflib.get_close_matches(str(key), list(_RULES), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise LoraConfigError(f"{where}: unknown key {key!r}{hint}; accepted keys: {', '.join(_RULES)}")
         label = f"{key} in {path}"
         if isinstance(value, str):
             values[key] = _parse(key, value, label)
         else:
-            value = tuple(value) if isinstance(value, list) else value
-            value = float(value) if key in ("alpha", "dropout") and _number(value) else value
-            _check(key, value, label)
-            values[key] = value
+            typed = tuple(value) if isinstance(value, list) else value
+            typed = float(typed) if key in ("alpha", "dropout") and _number(typed) else typed
+            if not _RULES[key][2](typed):
+                raise _fail(key, value, label)  # the value as written in the file
+            values[key] = typed
     return values
 
 

@@ -1,53 +1,35 @@
 """Moving whole adapters in and out: checkpoint -> logical adapters -> PEFT, and PEFT -> this rank's shards.
 
-`export_peft(checkpoint_dir, out_dir)` needs no model and no world: it reads the
-adapter-only distributed checkpoint (any topology saved it; Megatron's loader returns
-the full logical tensors, stacked over layers and experts) and writes the PEFT files.
+`export_peft(checkpoint_dir, out_dir)` needs no model and no world: it reads the adapter
+tensors of a checkpoint the plugin wrote (adapter-only or Megatron-LM's, any topology;
+Megatron's loader returns the full logical tensors, stacked over layers and experts) and
+writes the PEFT files.
 `import_peft(chunks, peft_dir)` runs on every rank of any topology and copies each
 rank's slice of the logical adapters into its parameters.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import os
 import re
-from typing import Dict, Iterable, Iterator, Tuple
+from typing import Dict, Iterable, Tuple
 
 import torch
 
-from . import checkpoint, peft
+from . import checkpoint, checkpoint_source, peft, staging
 from .adapter import LoraAdapter
 from .layouts import shard
 
 _STACKED_KEY = re.compile(r"^decoder\.layers\.(?P<module>.+?)\.lora\.(?P<factor>[AB])$")
 
 
-@contextlib.contextmanager
-def _process_group() -> Iterator[None]:
-    """Megatron's checkpoint loader needs torch.distributed: a private 1-rank gloo group if none exists."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def logical_from_checkpoint(directory: str) -> Tuple[dict, peft.Logical]:
-    """(description, canonical module name -> logical (A, B)) of an adapter-only checkpoint."""
-    from megatron.core import dist_checkpointing
-
-    description = checkpoint.read_description(directory)
-    with _process_group():
-        plain = dist_checkpointing.load_plain_tensors(directory)
+    """(description, canonical module name -> logical (A, B)) of a checkpoint with adapters
+    (adapter-only, a Megatron-LM iteration or `--save` directory; see `checkpoint_source`)."""
+    description, plain = checkpoint_source.adapter_tensors(directory)
     factors: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, tensor in plain.items():
-        if not isinstance(tensor, torch.Tensor):
-            continue  # the common-state description
         match = _STACKED_KEY.match(key)
         if match is None:
             raise checkpoint.AdapterCheckpointError(f"{directory}: unexpected tensor {key!r} in an adapter checkpoint")
@@ -63,11 +45,45 @@ def logical_from_checkpoint(directory: str) -> Tuple[dict, peft.Logical]:
     return description, {name: (pair["A"], pair["B"]) for name, pair in sorted(factors.items())}
 
 
-def export_peft(checkpoint_dir: str, out_dir: str, family: str = "llama") -> Dict[str, torch.Tensor]:
-    """Write the PEFT adapter of an adapter-only checkpoint to `out_dir`; returns the PEFT tensors."""
-    description, logical = logical_from_checkpoint(checkpoint_dir)
-    tensors, config = peft.to_peft(logical, description, family)
-    peft.write(out_dir, tensors, config)
+@dataclasses.dataclass(frozen=True)
+class ArgumentNames:
+    """How error messages name `export_peft`'s arguments (the CLI passes its option names)."""
+
+    checkpoint: str = "checkpoint_dir"
+    out: str = "out_dir"
+    family: str = "family"
+    overwrite: str = "pass overwrite=True"
+
+
+CLI_NAMES = ArgumentNames("--checkpoint", "--out", "--family", "pass --force")
+
+
+def _check_apart(checkpoint_dir: str, out_dir: str, names: ArgumentNames) -> None:
+    """The output must not be, contain or sit inside the checkpoint (replacing it would destroy the input)."""
+    source, target = os.path.realpath(checkpoint_dir), os.path.realpath(out_dir)
+    if os.path.commonpath([source, target]) in (source, target):
+        raise checkpoint.AdapterCheckpointError(
+            f"{names.out} {out_dir} overlaps {names.checkpoint} {checkpoint_dir}; "
+            "write the PEFT adapter to a directory outside the checkpoint"
+        )
+
+
+def export_peft(
+    checkpoint_dir: str, out_dir: str, family: str = "llama", overwrite: bool = False, names: ArgumentNames = ArgumentNames()
+) -> Dict[str, torch.Tensor]:
+    """Write the PEFT adapter of a checkpoint with adapters (see `checkpoint_source`) to `out_dir`; returns the PEFT tensors.
+
+    Every argument is checked before the checkpoint is loaded; a non-empty `out_dir` is
+    refused unless `overwrite`, and replaced only once the new adapter is complete.
+    """
+    peft.names_for(family, names.family)
+    checkpoint.read_description(checkpoint_source.resolve_save_dir(checkpoint_dir), names.checkpoint)
+    staging.check_target(out_dir, names.out, names.overwrite, overwrite)
+    _check_apart(checkpoint_dir, out_dir, names)
+    with staging.staged(out_dir, names.out) as partial:
+        description, logical = logical_from_checkpoint(checkpoint_dir)
+        tensors, config = peft.to_peft(logical, description, family)
+        peft.write(partial, tensors, config)
     return tensors
 
 

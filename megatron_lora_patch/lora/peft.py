@@ -29,6 +29,8 @@ from typing import Dict, Iterable, List, Tuple
 
 import torch
 
+from megatron_lora_patch.errors import UsageError
+
 from . import layouts
 
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -38,7 +40,7 @@ PEFT_PREFIX = "base_model.model."
 Logical = Dict[str, Tuple[torch.Tensor, torch.Tensor]]  # canonical module name -> (A, B)
 
 
-class PeftFormatError(ValueError):
+class PeftFormatError(UsageError, ValueError):
     """A PEFT adapter cannot be expressed as (or made from) this model's adapters; one-line message."""
 
 
@@ -69,9 +71,9 @@ NAME_TABLE: Dict[str, HfNames] = {
 _LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|mlp\.linear_fc1|mlp\.linear_fc2)$")
 
 
-def names_for(family: str) -> HfNames:
+def names_for(family: str, label: str = "model family") -> HfNames:
     if family not in NAME_TABLE:
-        raise PeftFormatError(f"unknown model family {family!r}; known: {', '.join(NAME_TABLE)}")
+        raise PeftFormatError(f"unknown {label} {family!r}; known: {', '.join(NAME_TABLE)}")
     return NAME_TABLE[family]
 
 

@@ -25,16 +25,22 @@ def _signature(function: Callable) -> inspect.Signature:
 
 
 def checkpointed_forward(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of `TransformerBlock._checkpointed_forward`: its input requires grad when needed."""
+    """wrapt wrapper of the full-recompute forward: its input requires grad when needed.
+
+    Wraps the method `TransformerBlock._checkpointed_forward` (up to 0.17) or the module
+    function `checkpointed_forward(block, ...)` that 0.18+ imports into `transformer_block`
+    and `hybrid_block` (the block is then its first argument, `self`).
+    """
     import torch
 
     call = _signature(wrapped).bind(*args, **kwargs).arguments
+    block = instance if instance is not None else call["self"]
     hidden_states = call["hidden_states"]
     if (
         torch.is_grad_enabled()
         and isinstance(hidden_states, torch.Tensor)
         and not hidden_states.requires_grad
-        and any(param.requires_grad for param in instance.parameters())
+        and any(param.requires_grad for param in block.parameters())
     ):
         call["hidden_states"] = hidden_states.detach().requires_grad_(True)
     return wrapped(**call)
