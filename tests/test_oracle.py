@@ -58,7 +58,7 @@ def _forward_metrics(spec, reference, candidate):
     shapes = harness.adapter_shapes(reference)
     expected = harness.canonical_phases(reference, spec, shapes)
     actual = harness.canonical_phases(candidate, spec, shapes)
-    return harness.compare(actual, expected, harness.OracleSettings().thresholds)
+    return harness.compare(actual, expected, harness.OracleSettings())
 
 
 def test_correct_canonicalization_passes(sp_records):
@@ -101,8 +101,14 @@ def test_crashed_and_hung_ranks_are_failures_not_hangs():
     assert re.match(r"world 'dp2': ranks? (0, )?1 failed", crashed.error), crashed.error[:200]
     assert "injected failure on rank 1" in crashed.error
     assert "timed out" in hung.error and "rank 1" in hung.error
-    assert crashed.caught and hung.caught  # a mutation that breaks the run is caught, and says so
-    assert [row.split()[-1] for row in report.table().splitlines() if row.startswith(("crash ", "hang "))] == ["caught"] * 2
+    # A mutation that breaks the run is ERRORED, never "caught": a renamed Megatron attribute
+    # must not turn --mutations all into "all caught".
+    assert crashed.errored and hung.errored and not crashed.caught and not hung.caught
+    assert [row.split()[-1] for row in report.table().splitlines() if row.startswith(("crash ", "hang "))] == ["ERRORED"] * 2
+    assert not report.passed
+    assert report.verdict().startswith("FAIL: 0/0 topologies match world-1, 0/2 mutations caught (")
+    assert report.verdict().endswith("; ERRORED (the run broke): crash, hang")
+    assert report.as_dict()["mutations"][0]["outcome"] == "errored"
     # The same error on a topology run is a FAIL row carrying the traceback.
     row = TopologyResult("dp2", 2, {}, error=crashed.error)
     failing = OracleReport(settings={}, topologies=[row])

@@ -22,6 +22,9 @@ from megatron_lora_patch.testing.topology import Topology
 
 #: A caught mutation must clear its worst threshold by this factor (a bug is never a close call).
 MIN_RATIO = 100.0
+#: bf16 gates step 0 only, 3-4x above its rounding noise (oracle/thresholds.py): every bug must
+#: still be caught there, with the smaller margin bf16's 8 mantissa bits allow (measured: 2.5x and up).
+BF16_MIN_RATIO = 2.0
 CONTROL = Mutation("control_no_change", "No bug: the oracle's own patches only (checks that mutations revert).", "tp2")
 TWO_RANK = [mutation for mutation in MUTATIONS.values() if Topology.parse(mutation.topology).world_size == 2]
 
@@ -40,11 +43,11 @@ def _by_name(report) -> dict:
     return {result.name: result for result in report.mutations}
 
 
-def _assert_caught(result) -> None:
+def _assert_caught(result, min_ratio: float = MIN_RATIO) -> None:
     phases = {phase: f"{metrics.rel_l2:.3g} (threshold {metrics.threshold:g})" for phase, metrics in result.phases.items()}
     assert result.error is None, f"{result.name} crashed the run instead of changing numbers:\n{result.error}"
     assert result.caught, f"{result.name} on {result.topology} was NOT caught: {phases}"
-    assert result.worst_ratio >= MIN_RATIO, f"{result.name} caught only narrowly: {phases}"
+    assert result.worst_ratio >= min_ratio, f"{result.name} caught only narrowly: {phases}"
 
 
 def test_registry_is_well_formed():
@@ -77,6 +80,25 @@ def test_control_after_all_mutations_matches_world1(two_rank_report):
     control = two_rank_report[CONTROL.name]
     assert control.error is None, control.error
     assert not control.caught, {phase: metrics.rel_l2 for phase, metrics in control.phases.items()}
+
+
+@pytest.fixture(scope="module")
+def bf16_two_rank_report():
+    report = harness.run_oracle([], TWO_RANK + [CONTROL], harness.OracleSettings(dtype="bf16"))
+    print(report.table())
+    return _by_name(report)
+
+
+@pytest.mark.parametrize("name", [mutation.name for mutation in TWO_RANK])
+def test_mutation_is_caught_at_bf16(bf16_two_rank_report, name):
+    """The bf16 gates are no noise band a known bug slips through (avg_instead_of_sum did)."""
+    _assert_caught(bf16_two_rank_report[name], BF16_MIN_RATIO)
+
+
+def test_bf16_control_matches_world1(bf16_two_rank_report):
+    control = bf16_two_rank_report[CONTROL.name]
+    assert control.error is None and not control.caught, {p: m.rel_l2 for p, m in control.phases.items()}
+    assert set(control.phases) == {"forward", "loss", "grads", "grad_norm"}  # bf16: step 0, no deltas
 
 
 @pytest.mark.slow

@@ -36,10 +36,14 @@ class PhaseMetrics:
 
     @property
     def passed(self) -> bool:
-        return self.rel_l2 <= self.threshold  # NaN fails
+        # NaN fails; so does an error of 100% or more whatever the threshold (an all-zero
+        # candidate against a non-zero reference is exactly 1.0)
+        return self.rel_l2 <= self.threshold and self.rel_l2 < 1.0
 
     @property
     def ratio(self) -> float:
+        if self.threshold == 0:  # the bitwise (tp-invariant) gate
+            return 0.0 if self.rel_l2 == 0 else float("inf")
         return self.rel_l2 / self.threshold
 
     def as_dict(self) -> dict:
@@ -55,6 +59,8 @@ def compare_tensors(actual: Mapping[str, torch.Tensor], expected: Mapping[str, t
         )
     if not expected:
         raise ValueError("nothing to compare: the reference captured no tensor for this phase")
+    if not any(bool(tensor.any()) for tensor in expected.values()):
+        raise ValueError(f"nothing to compare: every reference tensor is zero ({len(expected)} tensors, e.g. {next(iter(expected))})")
     errors = {name: relative_error(actual[name], expected[name]) for name in expected}
     worst = max(errors, key=lambda name: (errors[name] != errors[name], errors[name]))  # NaN first
     layers: dict[str, list[float]] = {}

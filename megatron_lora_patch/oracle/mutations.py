@@ -287,7 +287,10 @@ def _replicated_counted_on_every_rank(wrapped, instance, args, kwargs):
 def grad_norm_metadata_on_replicated(patcher: Patcher) -> None:
     from megatron.core.optimizer import optimizer
 
-    patcher.wrap(optimizer.MegatronOptimizer, "get_main_grads_for_grad_norm", _replicated_counted_on_every_rank)
+    # Megatron-Core 0.19 renamed it `get_grads_for_grad_norm(grad_norm_group=None)`.
+    renamed = hasattr(optimizer.MegatronOptimizer, "get_grads_for_grad_norm")
+    name = "get_grads_for_grad_norm" if renamed else "get_main_grads_for_grad_norm"
+    patcher.wrap(optimizer.MegatronOptimizer, name, _replicated_counted_on_every_rank)
 
 
 def _finalize_dividing_by(token_group, model, num_tokens, args, kwargs):

@@ -1,0 +1,167 @@
+"""`megatron-lora-patch preflight -- <pretrain_gpt.py arguments>`: the oracle on the user's model and topology.
+
+Megatron-LM-style argument lists (a dense GQA model, an MoE model with a dense first layer),
+two ranks each, tiny widths, 2 steps: the user's topology must match world-1, and with one
+of the oracle's mutations active the preflight must fail and name the layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import assert_one_line_error, clean_environ
+
+if importlib.util.find_spec("megatron.training") is None:  # absent only: an import error in it must fail
+    pytest.skip(
+        "preflight parses with Megatron-LM's argument parser: megatron.training is absent (megatron-core < 0.17)",
+        allow_module_level=True,
+    )
+
+from megatron_lora_patch.errors import UsageError  # noqa: E402
+from megatron_lora_patch.oracle import preflight  # noqa: E402
+
+DENSE = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+    "--ffn-hidden-size 128 --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+    "--untie-embeddings-and-output-weights --seq-length 16 --max-position-embeddings 16 --micro-batch-size 1 "
+    "--global-batch-size 64 --lr 1e-4 --train-iters 100 --mock-data --tokenizer-type NullTokenizer --vocab-size 128"
+).split()
+#: First layer dense, the other three MoE (4 experts, top-2): the preflight keeps one of each.
+MOE = DENSE + "--num-experts 4 --moe-router-topk 2 --moe-layer-freq ([0]+[1]*3) --moe-ffn-hidden-size 64".split()
+TP2_SP = "--tensor-model-parallel-size 2 --sequence-parallel".split()
+PHASES = {"forward", "loss", "grads", "grad_norm", "deltas"}
+
+
+def _environ() -> dict:
+    """No user LoRA / patch flags, except the untested-version override where the run sets it."""
+    keep = {key: os.environ[key] for key in ("MEGATRON_LORA_ALLOW_UNTESTED",) if key in os.environ}
+    return clean_environ(**keep)
+
+
+def _cli(*args: str, tmp_path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-P", "-m", "megatron_lora_patch", "preflight", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=_environ())
+
+
+def _options(megatron_args, **overrides) -> argparse.Namespace:
+    values = dict(json=None, steps=2, layers=None, seq_length=None, micro_batches=2, data_parallel_size=None,
+                  mutation=None, max_memory_gib=None, timeout=600.0)
+    values.update(overrides)
+    return argparse.Namespace(megatron_args=["--", *megatron_args], **values)
+
+
+@pytest.fixture
+def user_environ(monkeypatch):
+    """The training job's environment without LoRA / patch flags (the untested-version override kept)."""
+    for key in list(os.environ):
+        if (key.startswith("MEGATRON_LORA_") or key == "MEGATRON_PLUGINS") and key != "MEGATRON_LORA_ALLOW_UNTESTED":
+            monkeypatch.delenv(key)
+
+
+def _assert_passed(report, topology: str, kinds: list) -> None:
+    (row,) = report.topologies
+    assert report.passed, report.table()
+    assert row.topology == topology and row.world_size == 2
+    assert set(row.phases) == PHASES
+    for metrics in row.phases.values():
+        assert metrics.rel_l2 <= metrics.threshold and metrics.per_layer
+    assert report.preflight["layers"]["kinds"] == kinds
+
+
+def test_dense_gqa_tp2_sp_passes_and_reports_json(tmp_path):
+    """The README's command: exit 0, one depth-cut layer said, the verdict last, the JSON report."""
+    report_path = tmp_path / "preflight.json"
+    result = _cli("--json", str(report_path), "--", *DENSE, *TP2_SP, tmp_path=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert "layers: 1 of your 4 (every layer kind once: 0: dense); widths unchanged" in result.stdout
+    assert lines[-1].startswith("PASS: 1/1 topologies match world-1")
+    report = json.loads(report_path.read_text())
+    assert report["passed"] is True and report["drift"] is None
+    assert report["preflight"]["topology"] == "tp2-sp" and report["preflight"]["width"]["hidden"] == 64
+    assert {change["setting"] for change in report["preflight"]["changed"]} >= {"hidden_dropout", "MEGATRON_LORA_B_INIT"}
+    assert set(report["topologies"][0]["phases"]) == PHASES
+
+
+def test_skipped_tp_sum_fails_and_names_the_layer(tmp_path):
+    """The negative control: the column-parallel A's TP SUM left out must FAIL (exit 1) by >= 100x, naming layer 0."""
+    report_path = tmp_path / "preflight.json"
+    result = _cli("--json", str(report_path), "--mutation", "skip_tp_sum_column_a", "--", *DENSE, *TP2_SP, tmp_path=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("FAIL: 0/1 topologies match world-1")
+    drift = json.loads(report_path.read_text())["drift"]
+    assert drift["over_threshold"] >= 100 and drift["layer"] == 0 and drift["layer_kind"] == "dense"
+    assert "linear_qkv" in drift["parameter"] or "linear_fc1" in drift["parameter"]
+    assert "drifts most: phase " in result.stdout and "layer 0 (dense)" in result.stdout
+
+
+def test_dense_pp2_passes(user_environ):
+    plan = preflight.make_plan(_options([*DENSE, "--pipeline-model-parallel-size", "2"]))
+    _assert_passed(preflight.run_plan(plan), "pp2", ["dense", "dense"])
+
+
+def test_moe_ep2_passes(user_environ):
+    plan = preflight.make_plan(_options([*MOE, "--expert-model-parallel-size", "2"]))
+    _assert_passed(preflight.run_plan(plan), "ep2", ["dense", "moe"])
+
+
+def test_moe_tp2_etp2_sp_passes_and_a_skipped_expert_sum_names_the_moe_layer(user_environ):
+    arguments = [*MOE, *TP2_SP, "--expert-tensor-parallel-size", "2"]
+    _assert_passed(preflight.run_plan(preflight.make_plan(_options(arguments))), "tp2-etp2-sp", ["dense", "moe"])
+    report = preflight.run_plan(preflight.make_plan(_options(arguments, mutation="skip_expert_tp_sum")))
+    assert not report.passed
+    assert report.drift["layer"] == 1 and report.drift["layer_kind"] == "moe", report.drift
+    assert "experts" in report.drift["parameter"] and report.drift["over_threshold"] >= 100
+
+
+@pytest.mark.parametrize(
+    "arguments, overrides, message",
+    [
+        (DENSE, {}, "your arguments run on one rank, so there is nothing to compare with world size 1; pass your "
+         "parallel sizes (--tensor-model-parallel-size, --pipeline-model-parallel-size, ...) or --data-parallel-size N before --"),
+        ([*DENSE, *TP2_SP, "--num-layers", "x"], {},
+         "Megatron-LM rejects the arguments: pretrain_gpt.py: error: argument --num-layers: invalid int value: 'x'"),
+        ([*DENSE, *TP2_SP, "--num-attention-heads", "5"], {},
+         "Megatron-LM rejects the arguments: failed check `assert args.hidden_size % args.num_attention_heads == 0`"),
+        ([*DENSE, "--pipeline-model-parallel-size", "2"], {"layers": 3},
+         "--layers 3 is not divisible by the pipeline size 2; use a multiple of 2"),
+        ([*MOE, "--expert-model-parallel-size", "2"], {"layers": 1},
+         "--layers 1 cannot hold every layer kind (dense, moe); use --layers 2 or more"),
+        ([*DENSE, *TP2_SP], {"mutation": "skip_expert_tp_sum"},
+         "mutation skip_expert_tp_sum needs a MoE model; your arguments have no --num-experts"),
+        ([*DENSE, *TP2_SP, "--fp16"], {},
+         "preflight does not support fp16 loss scaling (compare in --bf16 or fp32) yet: drop --fp16 for the preflight"),
+        ([], {}, "preflight needs your pretrain_gpt.py arguments after --, e.g. preflight -- --num-layers 32 ..."),
+    ],
+)
+def test_bad_input_is_one_usage_error(user_environ, arguments, overrides, message):
+    with pytest.raises(UsageError) as caught:
+        preflight.make_plan(_options(arguments, **overrides))
+    assert str(caught.value) == message
+
+
+def test_too_large_for_this_machine_says_so_and_offers_fewer_layers(user_environ):
+    """Never a silent pass: a world-1 model over the memory limit stops with the smallest comparison that fits."""
+    from megatron_lora_patch.testing.args_model import estimate_parameters
+
+    full = preflight.make_plan(_options([*MOE, "--expert-model-parallel-size", "2"], layers=4))
+    minimal = preflight.make_plan(_options([*MOE, "--expert-model-parallel-size", "2"]))
+    between = (estimate_parameters(full.spec) + estimate_parameters(minimal.spec)) * 4  # fp32 x2, in bytes
+    with pytest.raises(UsageError, match=r"the world-1 reference cannot fit: .* use --layers 2 \(the fewest that hold every layer kind\)$"):
+        preflight.make_plan(_options([*MOE, "--expert-model-parallel-size", "2"], layers=4, max_memory_gib=between / 2**30))
+    with pytest.raises(UsageError, match="even the fewest layers do not fit at these widths"):
+        preflight.make_plan(_options([*MOE, "--expert-model-parallel-size", "2"], max_memory_gib=1e-6))
+
+
+def test_bad_lora_environment_is_one_line_exit_2(tmp_path):
+    environ = _environ() | {"MEGATRON_LORA_RANK": "abc"}
+    command = [sys.executable, "-P", "-m", "megatron_lora_patch", "preflight", "--", *DENSE, *TP2_SP]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=environ)
+    assert_one_line_error(result, "MEGATRON_LORA_RANK must be a positive integer, got 'abc'", returncode=2)
