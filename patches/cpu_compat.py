@@ -5,7 +5,7 @@ It only relocates devices, backs the CUDA RNG tracker with the CPU generator, re
 gloo-incompatible collectives by equivalents that move the same values, and lets the
 torch norm run under sequence parallel with the correct param tag: numerics are those
 Megatron computes. With CUDA available every hook is a no-op unless
-`MEGATRON_LORA_PATCH_CPU_COMPAT_FORCE=1`.
+`MEGATRON_LORA_CPU_COMPAT_FORCE=1`.
 
 One hook per Megatron module it fixes (0.16.1 line numbers, see
 shared/reference/megatron-internals.md):
@@ -20,6 +20,8 @@ shared/reference/megatron-internals.md):
 - `transformer.moe.moe_utils`: `te_general_gemm` defined as None without TE.
 - `transformer.moe.token_dispatcher`: the class-level DtoH stream it creates is reset on revert.
 - `optimizer.clip_grads`: no `torch.cuda.FloatTensor` assertion.
+- `megatron.training.*` (Megatron-LM's loop, S1-S6 of issue 15) and the wheel's dataset
+  helpers: compat.training. The host's CUDA generator is its own (compat.device_rng, S7).
 """
 
 from __future__ import annotations
@@ -104,6 +106,38 @@ def clip_grads_on_host(patcher, module):
     modules.install_clip_grads(patcher, module)
 
 
+@_only_on_host
+def training_initialize(patcher, module):
+    """Megatron-LM's `initialize_megatron` without CUDA; model parallelism and seeds as on one device."""
+    from megatron_lora_patch.compat import training
+
+    training.install_initialize(patcher, module)
+
+
+@_only_on_host
+def training_arguments(patcher, module):
+    """`get_device_arch_version()` in argument validation answers for the host."""
+    from megatron_lora_patch.compat import training
+
+    training.install_arguments(patcher, module)
+
+
+@_only_on_host
+def legacy_fused_kernels(patcher, module):
+    """Megatron-LM checkouts: no CUDA kernels to build."""
+    from megatron_lora_patch.compat import training
+
+    training.install_fused_kernels(patcher, module)
+
+
+@_only_on_host
+def prebuilt_dataset_helpers(patcher, module):
+    """`compile_helpers()` skips `make` when the wheel's compiled helpers import."""
+    from megatron_lora_patch.compat import training
+
+    training.install_dataset_helpers(patcher, module)
+
+
 SPEC = PatchSpec(
     name="cpu_compat",
     summary="run Megatron-Core on CPU + gloo with unchanged numerics (testing)",
@@ -115,8 +149,12 @@ SPEC = PatchSpec(
         "megatron.core.transformer.moe.moe_utils": moe_utils_without_te,
         "megatron.core.transformer.moe.token_dispatcher": dispatcher_host_stream,
         "megatron.core.optimizer.clip_grads": clip_grads_on_host,
+        "megatron.core.datasets.utils": prebuilt_dataset_helpers,
+        "megatron.training.initialize": training_initialize,
+        "megatron.training.arguments": training_arguments,
+        "megatron.legacy.fused_kernels": legacy_fused_kernels,
     },
-    versions=">=0.13,<0.17",
+    versions=">=0.13,<0.20",
     default=False,
     targets=(
         "torch.cuda:current_device,synchronize,Stream,current_stream,stream",
@@ -128,5 +166,9 @@ SPEC = PatchSpec(
         "_reduce_scatter_along_first_dim,all_to_all",
         "megatron.core.transformer.moe.moe_utils:te_general_gemm",
         "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32",
+        "megatron.core.datasets.utils:compile_helpers",
+        "megatron.training.initialize:initialize_megatron,_initialize_distributed,_set_random_seed",
+        "megatron.training.arguments:get_device_arch_version",
+        "megatron.legacy.fused_kernels:load",
     ),
 )

@@ -213,7 +213,7 @@ SPEC = PatchSpec(
         "megatron.core.tensor_parallel": _patch_duplicate_predicate,
         "megatron.core.optimizer.clip_grads": _rebind_clip_grads_predicate,
     },
-    versions=">=0.13,<0.17",
+    versions=">=0.13,<0.20",
     default=True,
     targets=(
         "megatron.core.distributed.finalize_model_grads:finalize_model_grads",

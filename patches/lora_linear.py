@@ -9,9 +9,12 @@ Targets:
   then) and the base model is frozen, so an unchanged model provider trains LoRA only.
   Configuration: `megatron_lora_patch.lora.config.set_active(...)` or the
   `MEGATRON_LORA_*` environment variables.
-- `megatron.core.transformer.transformer_block`: under full activation recompute the
-  checkpointed layers get an input that requires grad, else the frozen embedding
-  leaves them without any gradient (see `megatron_lora_patch.lora.recompute`).
+- `megatron.core.models.hybrid.hybrid_model` (0.18+): the same for `HybridModel` (and
+  `MambaModel`, its subclass there).
+- `megatron.core.transformer.transformer_block` and (0.18+) `...models.hybrid.hybrid_block`:
+  under full activation recompute the checkpointed layers get an input that requires
+  grad, else the frozen embedding leaves them without any gradient (see
+  `megatron_lora_patch.lora.recompute`).
 - `megatron.core.extensions.transformer_engine` (only where Transformer Engine imports):
   `TELinear.forward` (TEColumnParallelLinear, TERowParallelLinear),
   `TELayerNormColumnParallelLinear.forward` and `TEGroupedLinear.forward` add the LoRA
@@ -64,10 +67,24 @@ def _patch_gpt_model(patcher, gpt_model) -> None:
     patcher.wrap(gpt_model.GPTModel, "__init__", _attach_after_init)
 
 
+def _patch_hybrid_model(patcher, hybrid_model) -> None:
+    """`HybridModel` (0.18+; `MambaModel` derives from it) gets its adapters like `GPTModel`."""
+    patcher.wrap(hybrid_model.HybridModel, "__init__", _attach_after_init)
+
+
 def _patch_transformer_block(patcher, transformer_block) -> None:
     from megatron_lora_patch.lora.recompute import checkpointed_forward
 
-    patcher.wrap(transformer_block.TransformerBlock, "_checkpointed_forward", checkpointed_forward)
+    if hasattr(transformer_block.TransformerBlock, "_checkpointed_forward"):  # up to 0.17
+        patcher.wrap(transformer_block.TransformerBlock, "_checkpointed_forward", checkpointed_forward)
+    else:  # 0.18+: `megatron.core.recompute.checkpointed_forward`, imported by name
+        patcher.wrap(transformer_block, "checkpointed_forward", checkpointed_forward)
+
+
+def _patch_hybrid_block(patcher, hybrid_block) -> None:
+    from megatron_lora_patch.lora.recompute import checkpointed_forward
+
+    patcher.wrap(hybrid_block, "checkpointed_forward", checkpointed_forward)
 
 
 TE_FORWARDS = {
@@ -96,10 +113,12 @@ SPEC = PatchSpec(
         "megatron.core.tensor_parallel.layers": _patch_layers,
         "megatron.core.tensor_parallel": _patch_tensor_parallel,
         "megatron.core.models.gpt.gpt_model": _patch_gpt_model,
+        "megatron.core.models.hybrid.hybrid_model": _patch_hybrid_model,
         "megatron.core.transformer.transformer_block": _patch_transformer_block,
+        "megatron.core.models.hybrid.hybrid_block": _patch_hybrid_block,
         "megatron.core.extensions.transformer_engine": _patch_transformer_engine,
     },
-    versions=">=0.13,<0.17",
+    versions=">=0.13,<0.20",
     default=True,
     targets=(
         "megatron.core.tensor_parallel.layers:linear_with_frozen_weight",
@@ -108,7 +127,10 @@ SPEC = PatchSpec(
         "megatron.core.tensor_parallel.layers:RowParallelLinear.forward",
         "megatron.core.tensor_parallel:copy_tensor_model_parallel_attributes",
         "megatron.core.models.gpt.gpt_model:GPTModel.__init__",
-        "megatron.core.transformer.transformer_block:TransformerBlock._checkpointed_forward",
+        "megatron.core.models.hybrid.hybrid_model:HybridModel.__init__ (0.18+)",
+        "megatron.core.transformer.transformer_block:TransformerBlock._checkpointed_forward (0.17-) / "
+        "checkpointed_forward (0.18+)",
+        "megatron.core.models.hybrid.hybrid_block:checkpointed_forward (0.18+)",
         "megatron.core.extensions.transformer_engine:TELinear.forward",
         "megatron.core.extensions.transformer_engine:TELayerNormColumnParallelLinear.forward",
         "megatron.core.extensions.transformer_engine:TEGroupedLinear.forward",

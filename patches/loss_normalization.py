@@ -172,7 +172,7 @@ SPEC = PatchSpec(
         "megatron.core.distributed.distributed_data_parallel": _patch_ddp,
         "megatron.core.pipeline_parallel.schedules": _patch_schedules,
     },
-    versions=">=0.13,<0.17",
+    versions=">=0.13,<0.20",
     default=True,
     targets=(
         "megatron.core.transformer.transformer_config:TransformerConfig.__post_init__",

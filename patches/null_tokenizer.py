@@ -41,6 +41,8 @@ CORE_MODULE = "megatron.core.tokenizers.text.libraries.null_tokenizer"
 CORE_WRAPPER_MODULE = "megatron.core.tokenizers.text.text_tokenizer"
 TRAINING_MODULE = "megatron.training.tokenizer.tokenizer"
 
+#: The wrapper's `library` for the null tokenizer: "null" up to 0.16, "null-text" from 0.17.
+NULL_LIBRARIES = ("null", "null-text")
 #: Size the hooks build each class with to find out which convention it follows.
 PROBE_SIZE = 8
 
@@ -156,7 +158,7 @@ def _patch_core_wrapper(patcher: Patcher, module: types.ModuleType) -> None:
     wrapper = module.MegatronTokenizerText
 
     def null_library_eod(text_tokenizer) -> dict:
-        return {"eod_id": str(text_tokenizer.eod)} if getattr(text_tokenizer, "library", None) == "null" else {}
+        return {"eod_id": str(text_tokenizer.eod)} if getattr(text_tokenizer, "library", None) in NULL_LIBRARIES else {}
 
     patcher.replace(
         wrapper, "unique_identifiers", _identifiers_with(inspect_static(wrapper, "unique_identifiers"), null_library_eod)
@@ -174,7 +176,7 @@ SPEC = PatchSpec(
     summary="--vocab-size N includes the end-of-document token (eod = N-1, vocab_size = N) for every "
     "null tokenizer; dataset cache keys carry the EOD id; skipped where Megatron already does so",
     hooks={CORE_MODULE: _patch_core, CORE_WRAPPER_MODULE: _patch_core_wrapper, TRAINING_MODULE: _patch_training},
-    versions=">=0.13,<0.17",
+    versions=">=0.13,<0.20",
     default=False,
     targets=(
         f"{CORE_MODULE}:NullTokenizer.__init__,unique_identifiers",

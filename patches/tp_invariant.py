@@ -109,7 +109,7 @@ SPEC = PatchSpec(
         "megatron.core.optimizer.optimizer": _patch_optimizer,
         "megatron_lora_patch.lora.grad_sync": _patch_grad_sync,
     },
-    versions=">=0.14,<0.17",
+    versions=">=0.14,<0.20",
     default=False,
     targets=(
         "megatron.core.tensor_parallel.layers:ColumnParallelLinear._forward_impl,RowParallelLinear._forward_impl",

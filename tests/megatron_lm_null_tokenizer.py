@@ -12,14 +12,27 @@ base of the installed Megatron-Core:
   `inv_vocab` raise NotImplementedError.
 `install_training_module` makes one of the doubles importable as
 `megatron.training.tokenizer.tokenizer._NullTokenizer` (megatron is a namespace package),
-so the patch's real post-import hook runs on it.
+so the patch's real post-import hook runs on it. From Megatron-Core 0.17 the legacy base is gone
+(`HAVE_LEGACY_BASE` False): the doubles then stand on a bare base, enough for the convention probe.
 """
 
 from __future__ import annotations
 
 import pathlib
 
-from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+try:
+    from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+except ModuleNotFoundError:  # Megatron-Core 0.17 removed it, and Megatron-LM its training-side tokenizers
+
+    class MegatronLegacyTokenizer:  # type: ignore[no-redef]
+        """Stand-in base so the convention probe still has the two conventions to look at."""
+
+        def __init__(self, *tokenizer_paths, **tokenizer_options):
+            pass
+
+    HAVE_LEGACY_BASE = False
+else:
+    HAVE_LEGACY_BASE = True
 
 
 class _NullTokenizer(MegatronLegacyTokenizer):

@@ -23,6 +23,7 @@ import functools
 import pytest
 import torch
 
+from error_metrics import relative_l2_error
 from megatron_lora_patch.testing.driver import Capture, TrainSettings
 from megatron_lora_patch.testing.models import TinyGPTSpec
 from megatron_lora_patch.testing.runner import Job, canonical_result, compare_results, run_jobs
@@ -174,14 +175,10 @@ def _global_logits(records: list) -> list:
     return [merged[index] for index in sorted(merged)]
 
 
-def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm((actual - expected).double()) / torch.linalg.vector_norm(expected.double()))
-
-
 def _worst_forward_error(records: list, reference_records: list) -> float:
     got, want = _global_logits(records), _global_logits(reference_records)
     assert len(got) == len(want) and all(not torch.isnan(logits).any() for logits in got), "missing logit positions"
-    return max(_relative(actual, expected) for actual, expected in zip(got, want))
+    return max(relative_l2_error(actual, expected) for actual, expected in zip(got, want))
 
 
 def _first_step(result: dict) -> dict:

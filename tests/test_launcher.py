@@ -6,9 +6,11 @@ need it, so most worlds here start in a fraction of a second.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +25,10 @@ from megatron_lora_patch.testing.launcher import WorldError, WorldTimeout, gloo_
 
 # Generous bound on spawn + import; the hang test's world must be gone within timeout + this.
 STARTUP_SLACK_S = 15.0
+# How long a world of sleeping ranks may take to start on a loaded machine (spawn + imports).
+WORLD_START_S = 300.0
+# How long killing a started world may take, from the interrupt or the parent's death to all ranks gone.
+CLEANUP_S = 10.0
 
 
 def _is_gone(pid: int) -> bool:
@@ -39,7 +45,30 @@ def _read_pids(directory: Path) -> list[int]:
 
 
 def _record_pid(directory: str, label: str, pid: int | None = None) -> None:
-    Path(directory, f"{label}.pid").write_text(str(pid or os.getpid()))
+    """Write `<label>.pid` atomically: a reader never sees an empty or partial file."""
+    partial = Path(directory, f"{label}.pid.partial")
+    partial.write_text(str(pid or os.getpid()))
+    partial.rename(Path(directory, f"{label}.pid"))
+
+
+@contextlib.contextmanager
+def _readiness_listener():
+    """A localhost socket ranks connect to once they run: the test waits on it instead of polling."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        yield server, server.getsockname()[1]
+
+
+def _wait_for_ranks(server: socket.socket, count: int, timeout: float) -> bool:
+    """True once `count` ranks announced themselves on `server`, False after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    for _ in range(count):
+        server.settimeout(max(deadline - time.monotonic(), 1e-3))
+        try:
+            connection, _ = server.accept()
+        except TimeoutError:
+            return False
+        connection.close()
+    return True
 
 
 def _assert_all_gone(pids: list[int]) -> None:
@@ -97,8 +126,9 @@ def _hang_in_rank1_rank(rank: int, world_size: int, pid_dir: str) -> int:
     return rank
 
 
-def _sleep_rank(rank: int, world_size: int, pid_dir: str) -> None:
+def _sleep_rank(rank: int, world_size: int, pid_dir: str, ready_port: int) -> None:
     _record_pid(pid_dir, f"rank{rank}")
+    socket.create_connection(("127.0.0.1", ready_port)).close()  # "running", to _wait_for_ranks
     time.sleep(600)
 
 
@@ -168,17 +198,37 @@ def test_hung_rank_is_killed_with_its_grandchildren(tmp_path):
     _assert_all_gone(pids)
 
 
-def test_keyboard_interrupt_kills_the_world(tmp_path):
-    def interrupt_once_ranks_run() -> None:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
+@contextlib.contextmanager
+def _restored_sigint(previous):
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
-    threading.Thread(target=interrupt_once_ranks_run, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        run_world(_sleep_rank, 2, args=(str(tmp_path),), timeout=120, name="dp2")
-    _assert_all_gone(_read_pids(tmp_path))
+
+def test_keyboard_interrupt_kills_the_world(tmp_path):
+    interrupt = {}
+
+    def interrupt_once_ranks_run(server: socket.socket) -> None:
+        interrupt["ranks_ran"] = _wait_for_ranks(server, 2, WORLD_START_S)
+        interrupt["at"] = time.monotonic()
+        os.kill(os.getpid(), signal.SIGINT)  # also when they never ran: the test must end
+
+    # A shell starts background jobs with SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt handler: install it for this test (a Ctrl-C at a terminal has one).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    with _readiness_listener() as (server, port), _restored_sigint(previous):
+        interrupter = threading.Thread(target=interrupt_once_ranks_run, args=(server,), daemon=True)
+        interrupter.start()
+        with pytest.raises(KeyboardInterrupt):
+            run_world(_sleep_rank, 2, args=(str(tmp_path), port), timeout=WORLD_START_S + 60, name="dp2")
+        cleanup_s = time.monotonic() - interrupt["at"]
+        interrupter.join()
+    assert interrupt["ranks_ran"], f"the ranks did not start within {WORLD_START_S:.0f}s"
+    pids = _read_pids(tmp_path)
+    assert len(pids) == 2
+    _assert_all_gone(pids)  # at once: run_world returns only after killing and reaping every rank
+    assert cleanup_s < CLEANUP_S, f"killing the interrupted world took {cleanup_s:.1f}s"
 
 
 def test_ranks_die_when_the_parent_is_killed(tmp_path):
@@ -189,22 +239,21 @@ def test_ranks_die_when_the_parent_is_killed(tmp_path):
         from megatron_lora_patch.testing.launcher import run_world
         from test_launcher import _sleep_rank
         if __name__ == "__main__":
-            run_world(_sleep_rank, 2, args=({str(tmp_path)!r},), timeout=120)
+            run_world(_sleep_rank, 2, args=({str(tmp_path)!r}, int(sys.argv[1])), timeout={WORLD_START_S + 60})
         """
     )
     script = tmp_path / "parent.py"
     script.write_text(parent_script)
-    parent = subprocess.Popen([sys.executable, str(script)])
-    try:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        pids = _read_pids(tmp_path)
-        assert len(pids) == 2, "the ranks did not start"
-    finally:
-        parent.kill()
-        parent.wait()
-    deadline = time.monotonic() + 10
+    with _readiness_listener() as (server, port):
+        parent = subprocess.Popen([sys.executable, str(script), str(port)])
+        try:
+            assert _wait_for_ranks(server, 2, WORLD_START_S), f"the ranks did not start within {WORLD_START_S:.0f}s"
+            pids = _read_pids(tmp_path)
+            assert len(pids) == 2
+        finally:
+            parent.kill()
+            parent.wait()
+    deadline = time.monotonic() + CLEANUP_S
     while not all(_is_gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     _assert_all_gone(pids)

@@ -12,6 +12,7 @@ fresh `Runtime`, so the process-wide one stays untouched; applying before Megatr
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import sys
 import textwrap
@@ -22,9 +23,9 @@ import numpy
 import pytest
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset, MockGPTLowLevelDataset
 from megatron.core.datasets.utils import Split
+pytest.importorskip("megatron.core.tokenizers", reason="not applicable to this Megatron-Core: no megatron.core.tokenizers (0.13)")
 from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
-from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
 
 import megatron_lm_null_tokenizer as doubles
 from megatron_lora_patch import plugin
@@ -34,6 +35,18 @@ from megatron_lora_patch.runtime import Runtime, SkipPatch
 from conftest import run_python
 
 N = 64
+#: Where `build_tokenizer` lives: `tokenizers.text.utils` up to 0.16, `tokenizers.utils` from 0.17.
+BUILD_TOKENIZER_MODULE = next(
+    name for name in ("megatron.core.tokenizers.utils.build_tokenizer", "megatron.core.tokenizers.text.utils.build_tokenizer")
+    if importlib.util.find_spec(name.rsplit(".", 1)[0]) is not None
+)
+build_tokenizer = importlib.import_module(BUILD_TOKENIZER_MODULE).build_tokenizer
+#: From 0.18 Megatron-Core's NullTokenizer counts EOD inside the vocabulary itself.
+CORE_UPSTREAM = NullTokenizer(N).eod == N - 1
+legacy_base = pytest.mark.skipif(
+    not doubles.HAVE_LEGACY_BASE, reason="not applicable to this Megatron-Core: no legacy tokenizer base (0.17+), no training-side _NullTokenizer"
+)
+old_core = pytest.mark.skipif(CORE_UPSTREAM, reason="not applicable to this Megatron-Core: its NullTokenizer already counts EOD inside")
 
 
 def enable(null_tokenizer=None) -> dict:
@@ -74,7 +87,11 @@ def training_module(tmp_path, monkeypatch):
 
 def built(vocab_size: int = N):
     """The tokenizer Megatron-LM's new tokenizer system builds for `--tokenizer-type NullTokenizer`."""
-    return build_tokenizer(types.SimpleNamespace(tokenizer_type="NullTokenizer", vocab_size=vocab_size))
+    # from 0.17 build_tokenizer pads the vocabulary unless padded_vocab_size is set (0.18: pad_vocab_size)
+    args = types.SimpleNamespace(
+        tokenizer_type="NullTokenizer", vocab_size=vocab_size, padded_vocab_size=128, pad_vocab_size=False
+    )
+    return build_tokenizer(args)
 
 
 def mock_dataset(tokenizer) -> MockGPTDataset:
@@ -106,6 +123,7 @@ def core_attributes() -> dict:
     }
 
 
+@old_core
 def test_off_by_default_keeps_eod_outside_the_vocabulary(runtime):
     before = core_attributes()
     status = row(runtime.apply(["lora_correct"], enable=enable()))
@@ -115,6 +133,7 @@ def test_off_by_default_keeps_eod_outside_the_vocabulary(runtime):
         assert (tokenizer.vocab_size, tokenizer.eod) == (N + 1, N)
 
 
+@old_core
 def test_flag_on_counts_eod_inside_and_revert_restores(runtime):
     before = core_attributes()
     status = row(runtime.apply(["lora_correct"], enable=enable(True)))
@@ -126,10 +145,13 @@ def test_flag_on_counts_eod_inside_and_revert_restores(runtime):
         assert (tokenizer.vocab_size, tokenizer.eod) == (N, N - 1)
     assert_text_round_trip(NullTokenizer(N))
     assert_text_round_trip(built(), "tokenize", "detokenize")
-    # mock data drawn from the tokenizer fits an N-row embedding and ends documents with N-1
+    # mock documents end with N-1; from 0.16 Megatron also wraps their tokens into the vocabulary
+    # (up to 0.15 they count 1..length whatever the vocabulary, so only the EOD is ours to check)
     documents = MockGPTLowLevelDataset(built())
+    wraps_to_vocabulary = hasattr(documents, "vocab_size")
     for index in range(50):
-        assert documents[index].max() < N and documents[index][-1] == N - 1
+        assert documents[index][-1] == N - 1
+        assert documents[index].max() < N or not wraps_to_vocabulary
     with pytest.raises(ValueError, match="must be at least 1; got 0"):
         NullTokenizer(0)
 
@@ -138,6 +160,7 @@ def test_flag_on_counts_eod_inside_and_revert_restores(runtime):
     assert (NullTokenizer(N).vocab_size, NullTokenizer(N).eod) == (N + 1, N)
 
 
+@old_core
 def test_cache_key_tells_the_conventions_apart(runtime):
     tokenizers = {"core": lambda: NullTokenizer(N), "built": built}
     default = {kind: cache_key(make()) for kind, make in tokenizers.items()}
@@ -155,6 +178,8 @@ def test_cache_key_tells_the_conventions_apart(runtime):
         assert patched[kind] != default[kind], kind
 
 
+@old_core
+@legacy_base
 def test_training_side_class_is_patched_on_import(runtime, training_module):
     training_module("_NullTokenizer")
     default = importlib.import_module(patch.TRAINING_MODULE)._NullTokenizer(N)
@@ -181,6 +206,8 @@ def test_training_side_class_is_patched_on_import(runtime, training_module):
     assert module._NullTokenizer(N).eod == N
 
 
+@old_core
+@legacy_base
 def test_class_already_counting_eod_is_reported_upstream(runtime, training_module):
     training_module("EodInVocabNullTokenizer")
     before = core_attributes()
@@ -208,13 +235,26 @@ def test_convention_probe():
         patch.require_eod_outside_vocab(PadAtEnd, "odd")
 
 
+@pytest.mark.skipif(not CORE_UPSTREAM, reason="not applicable to this Megatron-Core: its NullTokenizer keeps EOD outside")
+def test_core_class_counting_eod_is_reported_upstream(runtime):
+    before = core_attributes()
+    status = row(runtime.apply(["lora_correct"], enable=enable(True)))
+    assert (status.state, status.detail) == (
+        "skipped", f"already upstream: {patch.CORE_MODULE}.NullTokenizer(8) has vocab_size 8 and eod 7"
+    )
+    assert core_attributes() == before
+    for tokenizer in (NullTokenizer(N), built()):
+        assert (tokenizer.vocab_size, tokenizer.eod) == (N, N - 1)
+
+
+@old_core
 def test_applied_before_megatron_is_imported():
     code = textwrap.dedent(f"""
         import types, megatron_lora_patch
         from megatron_lora_patch import plugin
         megatron_lora_patch.apply(["lora_correct"], enable={{name: name == "null_tokenizer" for name in plugin.PATCH_MODULES}})
-        from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
-        tokenizer = build_tokenizer(types.SimpleNamespace(tokenizer_type="NullTokenizer", vocab_size={N}))
+        from {BUILD_TOKENIZER_MODULE} import build_tokenizer
+        tokenizer = build_tokenizer(types.SimpleNamespace(tokenizer_type="NullTokenizer", vocab_size={N}, padded_vocab_size=128))
         row = next(r for r in megatron_lora_patch.status() if r.patch == "null_tokenizer")
         print(tokenizer.vocab_size, tokenizer.eod, tokenizer.unique_identifiers["eod_id"], row.state, row.detail, sep="|")
     """)

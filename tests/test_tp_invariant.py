@@ -93,6 +93,21 @@ def _expected_local(name: str, full: torch.Tensor, local: torch.Tensor, rank: in
     return shard(full, dim, rank, world, stride)
 
 
+def _structure_mismatches(ref: dict, record: dict, where: str) -> list:
+    """Steps, tensor names and forward captures that one side has and the other lacks (zip would hide them)."""
+    found = []
+    if len(ref["steps"]) != len(record["steps"]):
+        found.append(f"{where}: {len(record['steps'])} steps, not {len(ref['steps'])}")
+    for step, (want, got) in enumerate(zip(ref["steps"], record["steps"])):
+        for part in ("grads", "params", "forward"):
+            if set(want[part]) != set(got[part]):
+                found.append(f"{where} step {step}: {part} names differ: {sorted(set(want[part]) ^ set(got[part]))}")
+        for module in set(want["forward"]) & set(got["forward"]):
+            if len(want["forward"][module]) != len(got["forward"][module]):
+                found.append(f"{where} step {step}: forward {module or 'loss'} microbatch count")
+    return found
+
+
 def mismatches(reference: list, records: list) -> list:
     """Every quantity of `records` (any TP) that is not bitwise equal to the TP=1 `reference`."""
     ref = reference[0]
@@ -101,6 +116,7 @@ def mismatches(reference: list, records: list) -> list:
         coords = record["coords"]
         rank, world = coords["tp_rank"], coords["tp_size"]
         where = f"tp_rank {rank}"
+        found += _structure_mismatches(ref, record, where)
         for step, (want, got) in enumerate(zip(ref["steps"], record["steps"])):
             if want["grad_norm"] != got["grad_norm"]:
                 found.append(f"{where} step {step}: grad_norm {got['grad_norm']!r} != {want['grad_norm']!r}")
@@ -108,11 +124,13 @@ def mismatches(reference: list, records: list) -> list:
                 found.append(f"{where} step {step}: losses {got['microbatches']} != {want['microbatches']}")
             for phase in ("grads", "params"):
                 for name, full in want[phase].items():
-                    local = got[phase][name]
+                    local = got[phase].get(name)
+                    if local is None:
+                        continue  # reported by _structure_mismatches
                     if not torch.equal(local, _expected_local(name, full, local, rank, world)):
                         found.append(f"{where} step {step}: {phase} {name}")
             for module, outputs in want["forward"].items():
-                for index, (full, local) in enumerate(zip(outputs, got["forward"][module])):
+                for index, (full, local) in enumerate(zip(outputs, got["forward"].get(module, ()))):
                     full = full[0] if isinstance(full, tuple) else full
                     local = local[0] if isinstance(local, tuple) else local
                     if not torch.equal(local, _expected_local(module, full, local, rank, world)):

@@ -7,15 +7,15 @@ so reverting the patch restores torch and Megatron exactly.
 
 from __future__ import annotations
 
-import os
+from megatron_lora_patch import flags
 
-#: Set to 1 to apply the CPU fixes even on a machine where CUDA is available.
-FORCE_FLAG = "MEGATRON_LORA_PATCH_CPU_COMPAT_FORCE"
+#: Set to 1 to apply the CPU fixes even on a machine where CUDA is available (validated at activation).
+FORCE_FLAG = flags.CPU_COMPAT_FORCE_VARIABLE
 
 
 def host_is_cpu() -> bool:
     """True when the CPU fixes should take effect: no usable CUDA, or forced by `FORCE_FLAG`."""
-    if os.environ.get(FORCE_FLAG, "").strip().lower() in ("1", "true", "yes", "on"):
+    if flags.env_bool(FORCE_FLAG):
         return True
     import torch
 

@@ -59,10 +59,14 @@ def reduce_scatter_list_first_dim_on_gloo(wrapped, instance, args, kwargs):
 
 
 def all_to_all_with_list_splits(wrapped, instance, args, kwargs):
-    """`mappings.all_to_all(group, input_, output_split_sizes_, input_split_sizes)` with list splits."""
+    """`mappings.all_to_all(group, input_, output_split_sizes_, input_split_sizes, ...)` with list splits.
 
-    def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None):
-        return wrapped(group, input_, as_split_list(output_split_sizes_), as_split_list(input_split_sizes))
+    Further arguments (0.18+: `use_nccl_stream`) pass through unchanged.
+    """
+
+    def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None, *rest, **options):
+        splits = as_split_list(output_split_sizes_), as_split_list(input_split_sizes)
+        return wrapped(group, input_, *splits, *rest, **options)
 
     return all_to_all(*args, **kwargs)
 

@@ -8,6 +8,8 @@ works there. This module replaces, for as long as the patch is applied:
 - `torch.cuda.current_device()` -> `torch.device("cpu")` (global: the call sites are
   spread over ~40 Megatron modules that all read it through the `torch` module);
 - `torch.cuda.synchronize()` -> no-op (CPU ops are synchronous);
+- `torch.cuda` seeding and RNG state, and random factories given a CUDA device, -> the
+  host's own "CUDA generator" (`compat.device_rng`), separate from the CPU generator;
 - `torch.cuda.Stream` / `current_stream` / `stream` -> a host stream whose events are
   always complete (MoE dispatcher and DDP create side streams);
 - a `TorchFunctionMode` that maps a CUDA `device=` argument to the CPU and makes
@@ -23,6 +25,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from . import device_rng
 
 _HOST = torch.device("cpu")
 
@@ -109,7 +113,7 @@ class HostDeviceMode(TorchFunctionMode):
             # host plays that device (Megatron's Float16 optimizer accepts only CUDA type names).
             return func(*args).replace("torch.", "torch.cuda.", 1)
         if _is_cuda(kwargs.get("device")):
-            kwargs = {**kwargs, "device": _HOST}
+            kwargs = device_rng.route_random_factory(func, {**kwargs, "device": _HOST})
         if kwargs.get("pin_memory"):  # a transfer hint that needs an accelerator (RoPE's CP index)
             kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
@@ -124,6 +128,10 @@ _CUDA_REPLACEMENTS = {
     "current_stream": host_current_stream,
     "default_stream": host_current_stream,
     "stream": host_stream,
+    "manual_seed": device_rng.manual_seed,
+    "manual_seed_all": device_rng.manual_seed,
+    "get_rng_state": device_rng.get_rng_state,
+    "set_rng_state": device_rng.set_rng_state,
 }
 
 

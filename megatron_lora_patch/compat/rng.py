@@ -14,6 +14,8 @@ import contextlib
 
 import torch
 
+from . import device_rng
+
 
 def get_host_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
     """Replacement of `random._get_cuda_rng_state`: the CPU generator state."""
@@ -65,7 +67,8 @@ def make_fork_host_state(default_name: str):
         if tracks_names:
             tracker._current_state_name = name
         try:
-            yield
+            with device_rng.tracker_fork():
+                yield
         finally:
             if tracks_names and tracker._current_state_name != name:
                 raise Exception(

@@ -18,6 +18,7 @@ Splitting mirrors Megatron-LM:
 
 from __future__ import annotations
 
+import inspect
 from typing import Dict, List
 
 import torch
@@ -86,11 +87,18 @@ def dp_rank_microbatches(
 def cp_rank_slice(batch: Batch) -> Batch:
     """This CP rank's load-balanced share of a microbatch, via Megatron's own function.
 
-    Needs `parallel_state` initialized; a no-op when CP is 1.
+    Needs `parallel_state` initialized; a no-op when CP is 1. The CP group is passed
+    explicitly: from Megatron-Core 0.18 `cp_group=None` means the whole world, and the
+    function takes a required `is_hybrid_cp` flag (False: plain CP).
     """
+    from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    return get_batch_on_this_cp_rank(dict(batch))
+    accepted = inspect.signature(get_batch_on_this_cp_rank).parameters
+    if "cp_group" not in accepted:  # older releases: always the global CP group
+        return get_batch_on_this_cp_rank(dict(batch))
+    extra = {"is_hybrid_cp": False} if "is_hybrid_cp" in accepted else {}
+    return get_batch_on_this_cp_rank(dict(batch), cp_group=parallel_state.get_context_parallel_group(), **extra)
 
 
 def cp_sequence_positions(seq_len: int) -> torch.Tensor:

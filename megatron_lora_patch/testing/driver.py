@@ -297,7 +297,9 @@ def train_steps(spec, topology, settings: TrainSettings = TrainSettings()) -> di
 
     from megatron_lora_patch.testing.models import build_model
 
-    chunks = build_model(spec, topology, seed=settings.seed)
+    # A spec that builds its own model (testing.args_model: the user's architecture) does so.
+    builder = getattr(spec, "build_model", None)
+    chunks = builder(topology, settings.seed) if builder else build_model(spec, topology, seed=settings.seed)
     if settings.on_model_built is not None:
         settings.on_model_built(chunks)
     chunks = _wrap_like_get_model(chunks, settings)

@@ -100,11 +100,14 @@ def run_world(
     kwargs: dict[str, Any] | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     name: str = "world",
+    warnings: str = "default",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return results in rank order.
 
     ``fn``, ``args`` and ``kwargs`` must be picklable (``fn`` a module-level function).
-    ``name`` labels the world in errors (pass the topology string). Raises
+    ``name`` labels the world in errors (pass the topology string). ``warnings`` is the
+    ranks' ``warnings.simplefilter`` action: ``"ignore"`` silences Megatron's and torch's
+    start-up noise (Apex / Transformer Engine fallbacks, deprecations). Raises
     :class:`WorldError` if any rank raises or dies, :class:`WorldTimeout` if the world
     is still running after ``timeout`` seconds; in every case all ranks are gone on return.
     """
@@ -131,7 +134,7 @@ def run_world(
             stack_file = os.path.join(stack_dir, f"rank{rank}.stack")
             process = context.Process(
                 target=_rank_main,
-                args=(payload, env, sender, os.getpid(), stack_file),
+                args=(payload, env, sender, os.getpid(), stack_file, warnings),
                 name=f"{name}-rank{rank}",
                 daemon=False,
             )
@@ -340,8 +343,13 @@ def _to_cpu(value: Any) -> Any:
 # ----------------------------------------------------------------------------- rank side
 
 
-def _rank_main(payload: bytes, env: dict[str, str], conn: Any, parent_pid: int, stack_file: str) -> None:
+def _rank_main(
+    payload: bytes, env: dict[str, str], conn: Any, parent_pid: int, stack_file: str, warnings_action: str = "default"
+) -> None:
     """Entry point of a rank process: isolate, configure, run ``fn``, send one message back."""
+    import warnings
+
+    warnings.simplefilter(warnings_action)  # before unpickling fn imports torch / Megatron
     os.setpgid(0, 0)  # own process group, so the parent can kill this rank with all its descendants
     _die_with_parent(parent_pid)
     os.environ.update(env)  # before torch is imported (unpickling fn may import it)

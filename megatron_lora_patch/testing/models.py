@@ -77,6 +77,38 @@ class TinyGPTSpec:
         return getattr(torch, self.dtype)
 
 
+def _sharded_dimensions(spec: TinyGPTSpec) -> dict[str, dict[str, int]]:
+    """Parallel size -> the model dimensions Megatron splits by it (each must divide evenly)."""
+    tensor = {"num_attention_heads": spec.num_attention_heads, "num_query_groups": spec.num_query_groups,
+              "vocab_size": spec.vocab_size}
+    if not spec.is_moe:  # every layer of the MoE model is an MoE layer: no dense MLP to split
+        tensor["ffn_hidden_size"] = spec.ffn_hidden_size
+    return {"tp": tensor, "etp": {"moe_ffn_hidden_size": spec.expert_ffn_hidden_size} if spec.is_moe else {}}
+
+
+def check_topology_fits(spec: TinyGPTSpec, topology: Any) -> None:
+    """Raise one `TopologyError` if `topology` cannot run `spec`: heads, query groups, vocab and
+    ffn (expert ffn) must divide by tp (etp), plus `Topology.validate` (experts, layers, sequence)."""
+    from megatron_lora_patch.testing.topology import TopologyError
+
+    problems = []
+    for part, dimensions in _sharded_dimensions(spec).items():
+        size = getattr(topology, part)
+        uneven = [f"{name}={value}" for name, value in dimensions.items() if value % size]
+        if uneven:
+            fitting = [str(n) for n in range(1, 9) if all(value % n == 0 for value in dimensions.values())]
+            problems.append(
+                f"{', '.join(uneven)} {'is' if len(uneven) == 1 else 'are'} not divisible by {part}{size}; "
+                f"use {part} in {{{', '.join(fitting)}}}"
+            )
+    try:
+        topology.validate(num_experts=spec.num_experts, num_layers=spec.num_layers, seq_length=spec.seq_length)
+    except TopologyError as error:
+        problems.append(error.reason)
+    if problems:
+        raise TopologyError("; ".join(problems), subject=f"topology {str(topology)!r} does not fit the model")
+
+
 def logical_shapes(spec: TinyGPTSpec) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every parameter of the world-size-1 model (Megatron's names and layouts).
 
@@ -209,6 +241,26 @@ def layer_spec(spec: TinyGPTSpec, topology: Any = None):
 
         layer.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention
     return layer
+
+
+def hybrid_stack_spec(spec: TinyGPTSpec, topology: Any = None):
+    """A local (non-TE) `HybridStack` spec (Megatron-Core 0.18+) for the attention (`*`) and MLP (`-`)
+    layers of a hybrid pattern, cut from the GPT local layer spec: their linears are the GPT model's."""
+    import dataclasses as dc
+
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    gpt = layer_spec(spec, topology)
+    no_mlp = dict(pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityFuncOp)
+    no_attention = dict(input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp)
+    attention = dc.replace(gpt, submodules=dc.replace(gpt.submodules, **no_mlp))
+    mlp = ModuleSpec(module=MLPLayer, submodules=dc.replace(gpt.submodules, **no_attention))
+    # no final norm: HybridStack builds it as TENorm whatever the spec says, and TE is absent here
+    submodules = HybridStackSubmodules(attention_layer=attention, mlp_layer=mlp)
+    return ModuleSpec(module=HybridStack, submodules=submodules, params={"post_layer_norm": False})
 
 
 def build_model(

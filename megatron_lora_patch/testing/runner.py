@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -42,18 +43,26 @@ class Job:
     def __post_init__(self) -> None:
         if isinstance(self.topology, str):
             object.__setattr__(self, "topology", Topology.parse(self.topology))
-        spec = self.spec
-        self.topology.validate(num_experts=spec.num_experts, num_layers=spec.num_layers, seq_length=spec.seq_length)
+        from megatron_lora_patch.testing.models import check_topology_fits
+
+        # A spec may validate topologies itself (the preflight's model: Megatron-LM's validate_args did).
+        check = getattr(self.spec, "check_topology", None)
+        check(self.topology) if check is not None else check_topology_fits(self.spec, self.topology)
         num_microbatches_for(self.settings.global_batch_size, self.settings.micro_batch_size, self.topology.dp)
 
 
 def _train_jobs_on_rank(rank: int, world_size: int, jobs: List[Job]) -> List[dict]:
-    """Every job in turn, each in its own gloo world + Megatron setup (imports are paid once)."""
+    """Every job in turn, each in its own gloo world + Megatron setup (imports are paid once).
+
+    Each record gets `wall_s`: the job's seconds in this rank (world setup and training;
+    process start and imports, shared by the world's jobs, are not counted)."""
     records = []
     for index, job in enumerate(jobs):
+        started = time.monotonic()
         try:
             with job.topology.world(seed=job.settings.seed), (job.context or contextlib.nullcontext)():
                 records.append(train_steps(job.spec, job.topology, job.settings))
+            records[-1]["wall_s"] = time.monotonic() - started
         except Exception as error:
             if hasattr(error, "add_note"):  # Python 3.11+: name the failing job in the rank's traceback
                 error.add_note(f"in job {index} of this world: topology {job.topology}, spec {job.spec}")
@@ -61,12 +70,13 @@ def _train_jobs_on_rank(rank: int, world_size: int, jobs: List[Job]) -> List[dic
     return records
 
 
-def run_jobs(jobs: Sequence[Job], *, timeout: float = DEFAULT_TIMEOUT_S) -> List[List[dict]]:
+def run_jobs(jobs: Sequence[Job], *, timeout: float = DEFAULT_TIMEOUT_S, warnings: str = "default") -> List[List[dict]]:
     """Run every job; return each job's rank records (rank order), in job order.
 
     Jobs of the same world size run one after another in one set of processes, so a
     test matrix pays process start and `import megatron` once per world size. Each job
-    gets a fresh process group and `parallel_state`, like a fresh launch.
+    gets a fresh process group and `parallel_state`, like a fresh launch. `warnings`: the
+    ranks' warnings filter action (`launcher.run_world`).
     """
     jobs = list(jobs)
     results: List[Optional[List[dict]]] = [None] * len(jobs)
@@ -81,6 +91,7 @@ def run_jobs(jobs: Sequence[Job], *, timeout: float = DEFAULT_TIMEOUT_S) -> List
             args=(group,),
             timeout=timeout,
             name=",".join(str(job.topology) for job in group),
+            warnings=warnings,
         )
         for position, index in enumerate(indices):
             results[index] = [rank_records[position] for rank_records in per_rank]

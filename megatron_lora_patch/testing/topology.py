@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from megatron_lora_patch.errors import UsageError
+
 __all__ = ["Topology", "TopologyError"]
 
 _SIZE_PARTS = ("tp", "pp", "cp", "dp", "ep", "etp")
@@ -33,7 +35,7 @@ _PART = re.compile(r"^(etp|tp|pp|cp|dp|ep)(\d+)$")
 DEFAULT_SEED = 1234
 
 
-class TopologyError(ValueError):
+class TopologyError(UsageError, ValueError):
     """An invalid topology spec or combination; the message says what is wrong and what would be valid.
 
     ``reason`` is the message without its subject prefix.

@@ -40,5 +40,8 @@ def create(root: pathlib.Path, project: Optional[pathlib.Path]) -> pathlib.Path:
         (wheel,) = wheel_dir.glob("*.whl")
         with zipfile.ZipFile(wheel) as archive:
             archive.extractall(site_packages)
-    (site_packages / "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # Every site directory of this interpreter, including those a `.pth` line added (an overlay
+    # environment's base): a path line in a `.pth` file does not process that directory's own `.pth`s.
+    dependencies = [sysconfig.get_paths()["purelib"]] + [p for p in sys.path if p.endswith("site-packages")]
+    (site_packages / "zz_dependencies.pth").write_text("\n".join(dict.fromkeys(dependencies)) + "\n")
     return python
