@@ -1,0 +1,12 @@
+"""Test-only start-up: the CPU testbed (`cpu_compat` alone) for runs without the LoRA plugin.
+
+Megatron-LM needs CUDA; on a CPU machine a run "without the plugin" still needs the host
+fixes. With this directory on PYTHONPATH, every interpreter applies `cpu_compat` and no
+other patch, whether or not the package's own start-up hook is installed, so the two runs
+of the "plugin unset == not installed" check differ only in that hook.
+"""
+
+import megatron_lora_patch
+from megatron_lora_patch.plugin import PATCH_MODULES
+
+megatron_lora_patch.apply(plugins=["lora_correct"], enable={name: name == "cpu_compat" for name in PATCH_MODULES})
