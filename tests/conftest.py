@@ -53,3 +53,42 @@ def run_python(python: pathlib.Path, code: str, *, plugins: bool = True, args=()
     return subprocess.run(
         [str(python), *args, "-c", code], env=environ, capture_output=True, text=True, timeout=120, cwd=str(PLUGIN_FIXTURES.parent)
     )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, message: str, returncode: int = 1) -> None:
+    """The process stopped with exactly one `megatron-lora-patch: error: <message>` line (its last
+    stderr line), no traceback, and `returncode` (1: uncaught UsageError; 2: CLI usage error)."""
+    from megatron_lora_patch.errors import PREFIX
+
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == returncode, (result.returncode, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert lines and lines[-1] == PREFIX + message, result.stderr[-3000:]
+    assert sum(line.startswith(PREFIX) for line in lines) == 1, result.stderr[-3000:]
+
+
+def run_fresh(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """Run `sys.executable -P <args>` (this environment, its installed wheel and .pth hook) with
+    only `env` as runtime flags; `args` is e.g. ['-c', 'import megatron.core'] or ['-m', 'megatron_lora_patch', 'status']."""
+    return subprocess.run(
+        [sys.executable, "-P", *args], env=clean_environ(**env), capture_output=True, text=True, timeout=300,
+        cwd=str(PLUGIN_FIXTURES.parent),
+    )
+
+
+#: The only reasons a test may skip when LORA_PATCH_TEST_STRICT_SKIPS=1 (scripts/run-tests.sh):
+#: a skipped test proves nothing, so anything else that skips fails the run. "Not applicable to this
+#: Megatron-Core" is allowed only for test files that scripts/run-tests.sh also runs on the minors
+#: where they apply (VERSIONED_TESTS there).
+ALLOWED_SKIP_REASONS = ("CUDA", "Transformer Engine", "not applicable to this Megatron-Core")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.skipped and os.environ.get("LORA_PATCH_TEST_STRICT_SKIPS") == "1" and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if not any(word in reason for word in ALLOWED_SKIP_REASONS):
+            report.outcome = "failed"
+            report.longrepr = f"skipped without needing CUDA / Transformer Engine (proves nothing): {reason}"
+    return report

@@ -60,8 +60,13 @@ def cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, lab
 
 
 def vocab_parallel_cross_entropy(wrapped, instance, args, kwargs):
-    """wrapt wrapper of `tensor_parallel.vocab_parallel_cross_entropy(logits, target, label_smoothing=0.0)`."""
-    return cross_entropy(*args, **kwargs)
+    """wrapt wrapper of `tensor_parallel.vocab_parallel_cross_entropy(logits, target, label_smoothing=0.0)`
+    (0.19+: a fourth argument `tp_group`, the group the logits are split over)."""
+    return _plain_call(*args, **kwargs)
+
+
+def _plain_call(vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):
+    return cross_entropy(vocab_parallel_logits, target, label_smoothing, group=tp_group)
 
 
 def fused_vocab_parallel_cross_entropy(wrapped, instance, args, kwargs):
