@@ -165,3 +165,61 @@ def test_bad_lora_environment_is_one_line_exit_2(tmp_path):
     command = [sys.executable, "-P", "-m", "megatron_lora_patch", "preflight", "--", *DENSE, *TP2_SP]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=environ)
     assert_one_line_error(result, "MEGATRON_LORA_RANK must be a positive integer, got 'abc'", returncode=2)
+
+
+def _corpus(tmp_path, vocab_size: int = 128, sequences: int = 40, length: int = 50) -> str:
+    """A Megatron indexed dataset (PREFIX.bin / .idx) of seeded token ids below `vocab_size`; its prefix."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "corpus_text_document")
+    builder = IndexedDatasetBuilder(prefix + ".bin")
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(sequences):
+        builder.add_document(torch.randint(0, vocab_size, (length,), generator=generator), [length])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def _with_data(arguments: list, *data_path: str) -> list:
+    return [item for item in arguments if item != "--mock-data"] + ["--data-path", *data_path]
+
+
+def test_data_path_feeds_both_runs_the_first_tokens_and_passes(user_environ, tmp_path):
+    """--data-path (a weighted blend: the first prefix) replaces the mock tokens in every step's batch."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_lora_patch.testing import driver
+
+    prefix = _corpus(tmp_path)
+    plan = preflight.make_plan(_options(_with_data([*DENSE, *TP2_SP], "1.0", prefix)))
+    assert plan.data_path == prefix and plan.describe()["data"] == prefix
+    settings = driver.TrainSettings(steps=2, global_batch_size=4, data_path=prefix)
+    batches = driver._global_batches(plan.spec, settings)
+    per_step = 4 * (plan.spec.seq_length + 1)
+    first = _first_tokens(IndexedDataset(prefix), 2 * per_step)
+    for step, batch in enumerate(batches):
+        expected = first[step * per_step : (step + 1) * per_step].reshape(4, -1)
+        assert (batch["tokens"] == expected[:, :-1]).all() and (batch["labels"] == expected[:, 1:]).all()
+    mock = driver._global_batches(plan.spec, driver.TrainSettings(steps=1, global_batch_size=4))
+    assert not (mock[0]["tokens"] == batches[0]["tokens"]).all()  # control: the data path changed the tokens
+    _assert_passed(preflight.run_plan(plan), "tp2-sp", ["dense"])
+
+
+def _first_tokens(dataset, count: int):
+    """The dataset's first `count` token ids, sequences in order (independent of testing.data.read_corpus)."""
+    import numpy
+    import torch
+
+    return torch.from_numpy(numpy.concatenate([dataset[index] for index in range(len(dataset))])[:count].astype("int64"))
+
+
+def test_bad_data_path_is_one_usage_error(user_environ, tmp_path):
+    with pytest.raises(UsageError, match=r"--data-path .*missing\.bin and .*missing\.idx not found \(give the prefix"):
+        preflight.make_plan(_options(_with_data([*DENSE, *TP2_SP], str(tmp_path / "missing"))))
+    wide = _corpus(tmp_path, vocab_size=1000)
+    with pytest.raises(UsageError, match=r"token id \d+ is outside your vocabulary of 128; was it tokenized"):
+        preflight.make_plan(_options(_with_data([*DENSE, *TP2_SP], wide)))
+    short = _corpus(tmp_path, sequences=1)
+    with pytest.raises(UsageError, match=r"holds 50 tokens, the preflight needs \d+; use fewer --steps"):
+        preflight.make_plan(_options(_with_data([*DENSE, *TP2_SP], short)))

@@ -3,10 +3,11 @@
 Parses the arguments with Megatron-LM's own parser, builds your architecture through
 Megatron's own config path (every width kept; depth cut to the fewest layers that hold
 every layer kind), runs K LoRA training steps at your topology (TP, SP, PP, CP, EP, ETP,
-dtype from the arguments; DP as --data-parallel-size) and on one rank, with the same mock
-data, the LoRA settings your job reads from MEGATRON_LORA_*, and compares the oracle's
-phases. Exit 0 only on a match; 1 on a mismatch (naming the phase, layer and parameter
-that drift most); 2 on bad arguments or a model too large for this machine.
+dtype from the arguments; DP as --data-parallel-size) and on one rank, with the same data
+(the first tokens of your --data-path, in order; mock tokens with --mock-data), the
+LoRA settings your job reads from MEGATRON_LORA_*, and compares the oracle's phases.
+Exit 0 only on a match; 1 on a mismatch (naming the phase, layer and parameter that
+drift most); 2 on bad arguments or a model too large for this machine.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from megatron_lora_patch.oracle.report import OracleReport
 DEFAULT_MICROBATCHES = 2
 GIB = 1024**3
 _LAYER = re.compile(r"layers\.(\d+)\.")
+_WEIGHT = re.compile(r"[0-9.eE+-]+")  # a blend's weight in --data-path, as opposed to a dataset prefix
 
 
 def _positive_int(text: str) -> int:
@@ -72,6 +74,7 @@ class Plan:
     micro_batches: int
     timeout_s: float
     parameters: int
+    data_path: Optional[str] = None  # the indexed dataset whose first tokens both runs read; None: mock data
 
     @property
     def limits(self) -> Any:
@@ -91,7 +94,7 @@ class Plan:
                       "vocab": spec.padded_vocab_size},
             "seq_length": spec.seq_length, "micro_batch_size": args.micro_batch_size, "micro_batches": self.micro_batches,
             "dtype": spec.dtype, "steps": self.steps, "parameters": self.parameters,
-            "lora": dataclasses.asdict(self.lora), "patches": self.patches, "mutation": self.mutation.name if self.mutation else None,
+            "data": self.data_path or "mock", "lora": dataclasses.asdict(self.lora), "patches": self.patches, "mutation": self.mutation.name if self.mutation else None,
             "changed": [{"setting": name, "yours": str(old), "preflight": str(new)}
                         for name, old, new in [*spec.changes(), *self.lora_changes]],
         }
@@ -104,6 +107,7 @@ class Plan:
             f"{self.steps} steps, {spec.dtype}, ~{self.parameters / 1e6:.1f}M parameters at world size 1",
             f"  layers: {spec.num_layers} of your {spec.args.num_layers} (every layer kind once: {kinds}); widths unchanged",
         ]
+        lines.append(f"  data: {'the first tokens of ' + self.data_path if self.data_path else 'mock'}")
         lines.append("  patches (from your environment): " + ", ".join(name for name, on in self.patches.items() if on))
         lines += [f"  changed: {item['setting']} {item['yours']} -> {item['preflight']}" for item in described["changed"]]
         if self.mutation:
@@ -149,7 +153,29 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
     if mutation is not None and mutation.model == "moe" and not spec.is_moe:
         raise UsageError(f"mutation {mutation.name} needs a MoE model; your arguments have no --num-experts")
     parameters = _check_memory(spec, options.max_memory_gib)
-    return Plan(spec, topology, lora, patches, lora_changes, mutation, options.steps, options.micro_batches, options.timeout, parameters)
+    plan = Plan(spec, topology, lora, patches, lora_changes, mutation, options.steps, options.micro_batches,
+                options.timeout, parameters, _data_prefix(args))
+    if plan.data_path:
+        _check_data(plan)
+    return plan
+
+
+def _data_prefix(args: argparse.Namespace) -> Optional[str]:
+    """The first dataset prefix of --data-path (a blend lists weight prefix pairs); None for mock data."""
+    if getattr(args, "mock_data", False) or not getattr(args, "data_path", None):
+        return None
+    return next((item for item in args.data_path if not _WEIGHT.fullmatch(item)), None)
+
+
+def _check_data(plan: Plan) -> None:
+    """Read the tokens both runs will read before any rank starts: a bad path or vocabulary is one UsageError."""
+    from megatron_lora_patch.testing.data import read_corpus
+
+    tokens = plan.micro_batches * plan.topology.dp * plan.spec.args.micro_batch_size * (plan.spec.seq_length + 1)
+    try:
+        read_corpus(plan.data_path, tokens * plan.steps, plan.spec.vocab_size)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def _user_patches() -> dict:
@@ -280,6 +306,7 @@ def _run(plan: Plan, topology, mutation):
     settings = TrainSettings(
         steps=plan.steps, seed=plan.spec.args.seed, micro_batch_size=micro_batch_size,
         global_batch_size=micro_batch_size * plan.topology.dp * plan.micro_batches, capture=capture,
+        data_path=plan.data_path,
     )
     if mutation is not None and mutation.settings:
         settings = dataclasses.replace(settings, **mutation.settings)

@@ -19,7 +19,8 @@ Splitting mirrors Megatron-LM:
 from __future__ import annotations
 
 import inspect
-from typing import Dict, List
+import os
+from typing import Dict, List, Optional
 
 import torch
 
@@ -30,11 +31,15 @@ Batch = Dict[str, torch.Tensor]
 MASKED_FRACTIONS = (0.0, 0.9, 0.25, 0.5, 0.1, 0.75, 0.4, 0.6)
 
 
-def make_global_batch(seed: int, global_batch_size: int, seq_len: int, vocab_size: int) -> Batch:
+def make_global_batch(
+    seed: int, global_batch_size: int, seq_len: int, vocab_size: int, stream: Optional[torch.Tensor] = None
+) -> Batch:
     """The whole step's batch: tokens, labels (next token), loss_mask, position_ids, all `[G, S]`.
 
     Masked positions form a prefix (like an SFT prompt) whose length depends on the
-    sample index, plus a few seeded random holes, so counts vary per sample.
+    sample index, plus a few seeded random holes, so counts vary per sample. `stream`
+    (`G * (S + 1)` token ids, e.g. from `read_corpus`) replaces the random tokens; the
+    masks stay the seeded ones, so the normalization property is exercised on real text too.
     """
     if global_batch_size < 1 or seq_len < 2 or vocab_size < 2:
         raise ValueError(
@@ -42,7 +47,8 @@ def make_global_batch(seed: int, global_batch_size: int, seq_len: int, vocab_siz
             f"{global_batch_size}, {seq_len}, {vocab_size}"
         )
     generator = torch.Generator().manual_seed(seed)
-    stream = torch.randint(0, vocab_size, (global_batch_size, seq_len + 1), generator=generator)
+    random_stream = torch.randint(0, vocab_size, (global_batch_size, seq_len + 1), generator=generator)
+    stream = random_stream if stream is None else stream.reshape(global_batch_size, seq_len + 1).long()
     loss_mask = torch.ones(global_batch_size, seq_len, dtype=torch.float32)
     for sample in range(global_batch_size):
         fraction = MASKED_FRACTIONS[sample % len(MASKED_FRACTIONS)]
@@ -56,6 +62,33 @@ def make_global_batch(seed: int, global_batch_size: int, seq_len: int, vocab_siz
         "loss_mask": loss_mask,
         "position_ids": position_ids.contiguous(),
     }
+
+
+def read_corpus(path_prefix: str, count: int, vocab_size: int) -> torch.Tensor:
+    """The first `count` token ids of a Megatron indexed dataset (`PREFIX.bin` / `.idx`), documents in order.
+
+    ValueError (one line) if the files are missing, hold fewer tokens, or hold an id the
+    model's vocabulary cannot embed; read with Megatron's own `IndexedDataset`.
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    missing = [path_prefix + suffix for suffix in (".bin", ".idx") if not os.path.isfile(path_prefix + suffix)]
+    if missing:
+        raise ValueError(f"--data-path {path_prefix}: {' and '.join(missing)} not found (give the prefix, without .bin/.idx)")
+    dataset, pieces, total = IndexedDataset(path_prefix), [], 0
+    for index in range(len(dataset)):
+        if total >= count:
+            break
+        pieces.append(torch.from_numpy(dataset[index].astype("int64")))
+        total += len(pieces[-1])
+    if total < count:
+        raise ValueError(f"--data-path {path_prefix}: holds {total} tokens, the preflight needs {count}; "
+                         "use fewer --steps / --micro-batches or a larger dataset")
+    tokens = torch.cat(pieces)[:count]
+    if int(tokens.max()) >= vocab_size:
+        raise ValueError(f"--data-path {path_prefix}: token id {int(tokens.max())} is outside your vocabulary of "
+                         f"{vocab_size}; was it tokenized with the tokenizer of your arguments?")
+    return tokens
 
 
 def num_microbatches_for(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:

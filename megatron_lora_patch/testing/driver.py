@@ -78,6 +78,7 @@ class TrainSettings:
     finalize_model_grads_func: Union[str, Callable, None] = MEGATRON_FINALIZE
     on_model_built: Optional[Callable[[list], None]] = None
     capture: Capture = Capture()
+    data_path: Optional[str] = None  # a Megatron indexed dataset prefix read in order instead of random tokens
 
 
 def _to_cpu(value: Any) -> Any:
@@ -269,6 +270,21 @@ def _reduced_lm_loss(reports: List[dict]) -> Optional[float]:
     return torch.cat(values).mean().item()
 
 
+def _global_batches(spec, settings: TrainSettings) -> List[testing_data.Batch]:
+    """Each step's global batch: seeded random tokens, or `settings.data_path`'s first tokens in order."""
+    per_step = settings.global_batch_size * (spec.seq_length + 1)
+    corpus = None
+    if settings.data_path:
+        corpus = testing_data.read_corpus(settings.data_path, per_step * settings.steps, spec.vocab_size)
+    return [
+        testing_data.make_global_batch(
+            settings.seed + step, settings.global_batch_size, spec.seq_length, spec.vocab_size,
+            stream=None if corpus is None else corpus[step * per_step : (step + 1) * per_step],
+        )
+        for step in range(settings.steps)
+    ]
+
+
 def train_steps(spec, topology, settings: TrainSettings = TrainSettings()) -> dict:
     """Run `settings.steps` Megatron training steps on this rank; return its picklable record.
 
@@ -328,10 +344,7 @@ def train_steps(spec, topology, settings: TrainSettings = TrainSettings()) -> di
         "steps": [],
     }
     try:
-        for step in range(settings.steps):
-            global_batch = testing_data.make_global_batch(
-                settings.seed + step, settings.global_batch_size, spec.seq_length, spec.vocab_size
-            )
+        for step, global_batch in enumerate(_global_batches(spec, settings)):
             microbatches = testing_data.dp_rank_microbatches(
                 global_batch, dp_rank, dp_size, settings.micro_batch_size
             )
