@@ -102,3 +102,20 @@ def test_mamba_mixer_targets_are_refused_attention_and_mlp_are_not():
     from megatron.core.transformer.mlp import MLP
 
     refuse_unsupported(model, [("decoder.layers.1.mlp.linear_fc1", linear, MLP.__new__(MLP))])
+
+
+def test_oracle_hybrid_model_runs_where_megatron_has_hybrid_model():
+    """`oracle --model hybrid` picks the HybridModel spec on 0.18+, and is one OracleError before that."""
+    import importlib.util
+
+    from megatron_lora_patch.oracle import harness
+    from megatron_lora_patch.testing.topology import Topology
+
+    settings = harness.OracleSettings(model="hybrid")
+    if importlib.util.find_spec("megatron.core.models.hybrid") is not None:
+        assert harness.check_topology(Topology.parse("tp2-sp"), settings).hybrid_pattern == "*-*-"
+    else:
+        with pytest.raises(harness.OracleError, match="--model hybrid needs Megatron-Core 0.18 or newer"):
+            harness.check_topology(Topology.parse("tp2-sp"), settings)
+    with pytest.raises(harness.OracleError, match="shards experts but --model hybrid has none"):
+        harness.check_topology(Topology.parse("ep2"), settings)

@@ -151,3 +151,17 @@ def test_moe_routing_equals_world1_and_a_flip_is_named():
     assert canonical.routing_divergence(flipped, expected) == (
         f"MoE routing diverged from world-1, so no comparison is meaningful: {key} (1 tokens)"
     )
+
+
+def test_hybrid_model_matches_world1_on_the_dense_topologies_and_mutations_are_caught():
+    """A HybridModel of attention and MLP layers (0.18+) on every default topology without experts; the
+    negative controls: a column A's TP SUM skipped and gate/up swapped must fail by >= 100x."""
+    settings = harness.OracleSettings(model="hybrid")
+    dense = [name for name in DEFAULT_TOPOLOGIES if Topology.parse(name).ep == Topology.parse(name).etp == 1]
+    mutations = harness.mutations_named(["skip_tp_sum_column_a", "swiglu_gate_up_mismatch"])
+    report = harness.run_oracle(dense, mutations, settings)
+    print(report.table())
+    assert report.passed, report.table()
+    assert {result.model for result in report.topologies} == {"hybrid"} and len(report.topologies) == len(dense) >= 5
+    for mutation in report.mutations:
+        assert mutation.caught and mutation.worst_ratio >= 100, report.table()

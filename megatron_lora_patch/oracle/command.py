@@ -58,8 +58,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--mutations", default="none", help="none, all, or a comma list of mutation names")
     parser.add_argument("--steps", default="2", help=f"optimizer steps K, 1 to {MAX_STEPS} (default 2)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--model", choices=("dense", "moe", "auto"), default="auto",
-                        help="auto: the MoE model for topologies with ep/etp, the dense GQA model otherwise")
+    parser.add_argument("--model", choices=("dense", "moe", "hybrid", "auto"), default="auto",
+                        help="auto: the MoE model for topologies with ep/etp, the dense GQA model otherwise; "
+                        "hybrid: a HybridModel of attention and MLP layers (Megatron-Core 0.18+)")
     parser.add_argument("--json", metavar="PATH", help="write the machine-readable report here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG heat map of per-layer errors (needs matplotlib)")
     parser.add_argument("--seed", default="1234", help=f"0 to {MAX_SEED} (default 1234)")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import re
 import time
 from typing import Dict, List, Optional, Sequence
@@ -43,6 +44,8 @@ from megatron_lora_patch.testing.topology import Topology
 #: 4 layers so PP up to 4 keeps whole layers per stage; the MoE variant has 4 experts, top-2.
 DENSE = TinyGPTSpec(num_attention_heads=8, num_query_groups=4, num_layers=4)
 MOE = TinyGPTSpec.moe(num_attention_heads=8, num_query_groups=4, num_layers=2)
+#: A `HybridModel` (Megatron-Core 0.18+) alternating attention and MLP layers, the dense widths.
+HYBRID = TinyGPTSpec.hybrid("*-*-", num_attention_heads=8, num_query_groups=4)
 REFERENCE = "tp1"
 _STEP = re.compile(r"^step(\d+)")
 
@@ -52,7 +55,7 @@ class OracleSettings:
     steps: int = 2
     dtype: str = "fp32"  # fp32 | bf16
     seed: int = 1234
-    model: str = "auto"  # dense | moe | auto (MoE for topologies with ep / etp)
+    model: str = "auto"  # dense | moe | hybrid | auto (MoE for topologies with ep / etp)
     tp_invariant: bool = False
     lora_rank: int = 4
     lora_alpha: float = 8.0
@@ -73,9 +76,14 @@ class OracleError(UsageError, ValueError):
 
 def model_for(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
     expert_parallel = topology.ep > 1 or topology.etp > 1
-    if settings.model == "dense" and expert_parallel:
-        raise OracleError(f"topology {topology} shards experts but --model dense has none; use --model auto or moe")
-    spec = MOE if settings.model == "moe" or (settings.model == "auto" and expert_parallel) else DENSE
+    if settings.model in ("dense", "hybrid") and expert_parallel:
+        raise OracleError(f"topology {topology} shards experts but --model {settings.model} has none; use --model auto or moe")
+    if settings.model == "hybrid" and importlib.util.find_spec("megatron.core.models.hybrid") is None:
+        raise OracleError("--model hybrid needs Megatron-Core 0.18 or newer (HybridModel); use --model dense")
+    if settings.model == "hybrid":
+        spec = HYBRID
+    else:
+        spec = MOE if settings.model == "moe" or (settings.model == "auto" and expert_parallel) else DENSE
     return spec.replace(dtype="bfloat16") if settings.dtype == "bf16" else spec
 
 
@@ -298,12 +306,13 @@ def _compared_steps(routing: dict, settings: OracleSettings) -> dict:
 
 
 def model_name(spec: TinyGPTSpec) -> str:
-    return "moe" if spec.is_moe else "dense"
+    return spec.family
 
 
 def describe_model(spec: TinyGPTSpec) -> str:
     """A short description for the report header."""
     experts = f", {spec.num_experts} experts top-{spec.moe_router_topk}" if spec.is_moe else ""
+    experts += f", layers {spec.hybrid_pattern!r} (* attention, - MLP)" if spec.hybrid_pattern else ""
     return (
         f"{spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_attention_heads} heads / "
         f"{spec.num_query_groups} query groups{experts}, seq {spec.seq_length}"
@@ -312,7 +321,7 @@ def describe_model(spec: TinyGPTSpec) -> str:
 
 def settings_for(spec: TinyGPTSpec, settings: OracleSettings) -> OracleSettings:
     """The reference of a MoE spec runs the MoE model even when `settings.model` says auto."""
-    return dataclasses.replace(settings, model="moe" if spec.is_moe else "dense")
+    return dataclasses.replace(settings, model=spec.family)
 
 
 def _run_isolated(jobs: List[Job], timeout: float, warnings: str = "ignore") -> List[tuple]:
@@ -348,5 +357,5 @@ def _describe(settings: OracleSettings) -> dict:
     return dataclasses.asdict(settings) | {
         "thresholds": settings.thresholds,
         "models": {"dense": str(DENSE), "moe": str(MOE)},
-        "model_summaries": {"dense": describe_model(DENSE), "moe": describe_model(MOE)},
+        "model_summaries": {spec.family: describe_model(spec) for spec in (DENSE, MOE, HYBRID)},
     }

@@ -19,7 +19,7 @@ class TopologyResult:
     error: Optional[str] = None  # a crashed / hung world: rank id and traceback
     routing: str = ""  # where MoE routing diverged from world-1 (a failure: comparisons are meaningless)
     wall_s: float = 0.0  # the run's seconds in its ranks (world setup + training; shared imports not counted)
-    model: str = ""  # dense | moe
+    model: str = ""  # dense | moe | hybrid
     note: str = ""  # shown, never failing (bf16: a routing flip from rounding)
 
     @property

@@ -39,6 +39,8 @@ class TinyGPTSpec:
     moe_router_topk: int = 2
     moe_token_dispatcher_type: str = "allgather"  # "allgather" | "alltoall"
     moe_ffn_hidden_size: Optional[int] = None  # defaults to ffn_hidden_size
+    #: A `HybridModel` (Megatron-Core 0.18+) of attention (`*`) and MLP (`-`) layers, one char per layer.
+    hybrid_pattern: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -46,6 +48,12 @@ class TinyGPTSpec:
         if self.moe_token_dispatcher_type not in ("allgather", "alltoall"):
             raise ValueError(
                 f"moe_token_dispatcher_type must be 'allgather' or 'alltoall', got {self.moe_token_dispatcher_type!r}"
+            )
+        if self.hybrid_pattern is not None and (
+            set(self.hybrid_pattern) - set("*-") or len(self.hybrid_pattern) != self.num_layers or self.num_experts
+        ):
+            raise ValueError(
+                f"hybrid_pattern must hold one '*' (attention) or '-' (MLP) per layer and no experts, got {self.hybrid_pattern!r}"
             )
         if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_query_groups:
             raise ValueError("hidden_size must divide by num_attention_heads, and heads by num_query_groups")
@@ -58,9 +66,23 @@ class TinyGPTSpec:
     def replace(self, **changes: Any) -> "TinyGPTSpec":
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def hybrid(cls, pattern: str = "*-*-", **overrides: Any) -> "TinyGPTSpec":
+        """The hybrid variant: a `HybridModel` whose layers alternate as `pattern` says."""
+        return cls(hybrid_pattern=pattern, num_layers=len(pattern), **overrides)
+
     @property
     def is_moe(self) -> bool:
         return bool(self.num_experts)
+
+    @property
+    def family(self) -> str:
+        """dense | moe | hybrid: the model kind reports and oracle settings name."""
+        return "hybrid" if self.hybrid_pattern else "moe" if self.is_moe else "dense"
+
+    def layer_kinds(self) -> str:
+        """One char per layer: '*' attention + MLP (GPT), else the hybrid pattern's '*' / '-'."""
+        return self.hybrid_pattern or "G" * self.num_layers
 
     @property
     def kv_channels(self) -> int:
@@ -118,11 +140,14 @@ def logical_shapes(spec: TinyGPTSpec) -> dict[str, tuple[int, ...]]:
     hidden, kv = spec.hidden_size, spec.kv_channels
     qkv_rows = (spec.num_attention_heads + 2 * spec.num_query_groups) * kv
     shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (spec.vocab_size, hidden)}
-    for layer in range(spec.num_layers):
+    for layer, kind in enumerate(spec.layer_kinds()):
         prefix = f"decoder.layers.{layer}."
-        shapes[prefix + "input_layernorm.weight"] = (hidden,)
-        shapes[prefix + "self_attention.linear_qkv.weight"] = (qkv_rows, hidden)
-        shapes[prefix + "self_attention.linear_proj.weight"] = (hidden, spec.num_attention_heads * kv)
+        if kind in "G*":
+            shapes[prefix + "input_layernorm.weight"] = (hidden,)
+            shapes[prefix + "self_attention.linear_qkv.weight"] = (qkv_rows, hidden)
+            shapes[prefix + "self_attention.linear_proj.weight"] = (hidden, spec.num_attention_heads * kv)
+        if kind == "*":
+            continue
         shapes[prefix + "pre_mlp_layernorm.weight"] = (hidden,)
         if spec.is_moe:
             ffn = spec.expert_ffn_hidden_size
@@ -134,7 +159,8 @@ def logical_shapes(spec: TinyGPTSpec) -> dict[str, tuple[int, ...]]:
         else:
             shapes[prefix + "mlp.linear_fc1.weight"] = (2 * spec.ffn_hidden_size, hidden)
             shapes[prefix + "mlp.linear_fc2.weight"] = (hidden, spec.ffn_hidden_size)
-    shapes["decoder.final_layernorm.weight"] = (hidden,)
+    if not spec.hybrid_pattern:  # the hybrid stack's final norm is TE-only: built without one (hybrid_stack_spec)
+        shapes["decoder.final_layernorm.weight"] = (hidden,)
     if not spec.tie_embeddings:
         shapes["output_layer.weight"] = (spec.vocab_size, hidden)
     return shapes
@@ -272,7 +298,8 @@ def build_model(
     state_dict: Optional[dict] = None,
     **config_overrides: Any,
 ) -> list:
-    """This rank's GPTModel chunk(s) (one per PP stage, no virtual stages) with the logical weights loaded.
+    """This rank's GPTModel (HybridModel for a hybrid spec) chunk(s), one per PP stage, no virtual stages,
+    with the logical weights loaded.
 
     Needs `parallel_state` initialized for `topology` (e.g. inside `Topology.world()`);
     `topology=None` means world size 1. `state_dict` (logical layout) defaults to
@@ -287,9 +314,8 @@ def build_model(
     config = transformer_config(
         spec, topology, calculate_per_token_loss=calculate_per_token_loss, **config_overrides
     )
-    model = GPTModel(
+    common = dict(
         config=config,
-        transformer_layer_spec=layer_spec(spec, topology),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
@@ -298,6 +324,15 @@ def build_model(
         share_embeddings_and_output_weights=spec.tie_embeddings,
         position_embedding_type="rope",
     )
+    if spec.hybrid_pattern:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+        stages = getattr(topology, "pp", 1)
+        per_stage = spec.num_layers // stages  # '|' marks Megatron's stage boundaries (0.19 deprecates implicit ones)
+        pattern = "|".join(spec.hybrid_pattern[i : i + per_stage] for i in range(0, spec.num_layers, per_stage))
+        model = HybridModel(hybrid_stack_spec=hybrid_stack_spec(spec, topology), hybrid_layer_pattern=pattern, **common)
+    else:
+        model = GPTModel(transformer_layer_spec=layer_spec(spec, topology), **common)
     chunks = [model]
     shards.load_logical(chunks, state_dict if state_dict is not None else logical_state_dict(spec, seed))
     return chunks
