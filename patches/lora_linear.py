@@ -10,7 +10,8 @@ Targets:
   Configuration: `megatron_lora_patch.lora.config.set_active(...)` or the
   `MEGATRON_LORA_*` environment variables.
 - `megatron.core.models.hybrid.hybrid_model` (0.18+): the same for `HybridModel` (and
-  `MambaModel`, its subclass there).
+  `MambaModel`, its subclass there); `megatron.core.models.mamba.mamba_model` for the
+  `MambaModel` of 0.13-0.17, a class of its own.
 - `megatron.core.transformer.transformer_block` and (0.18+) `...models.hybrid.hybrid_block`:
   under full activation recompute the checkpointed layers get an input that requires
   grad, else the frozen embedding leaves them without any gradient (see
@@ -72,6 +73,12 @@ def _patch_hybrid_model(patcher, hybrid_model) -> None:
     patcher.wrap(hybrid_model.HybridModel, "__init__", _attach_after_init)
 
 
+def _patch_mamba_model(patcher, mamba_model) -> None:
+    """`MambaModel` up to 0.17 (its own class then; from 0.18 a `HybridModel`, attached through that hook)."""
+    if not any(base.__name__ == "HybridModel" for base in mamba_model.MambaModel.__mro__):
+        patcher.wrap(mamba_model.MambaModel, "__init__", _attach_after_init)
+
+
 def _patch_transformer_block(patcher, transformer_block) -> None:
     from megatron_lora_patch.lora.recompute import checkpointed_forward
 
@@ -114,6 +121,7 @@ SPEC = PatchSpec(
         "megatron.core.tensor_parallel": _patch_tensor_parallel,
         "megatron.core.models.gpt.gpt_model": _patch_gpt_model,
         "megatron.core.models.hybrid.hybrid_model": _patch_hybrid_model,
+        "megatron.core.models.mamba.mamba_model": _patch_mamba_model,
         "megatron.core.transformer.transformer_block": _patch_transformer_block,
         "megatron.core.models.hybrid.hybrid_block": _patch_hybrid_block,
         "megatron.core.extensions.transformer_engine": _patch_transformer_engine,
@@ -128,6 +136,7 @@ SPEC = PatchSpec(
         "megatron.core.tensor_parallel:copy_tensor_model_parallel_attributes",
         "megatron.core.models.gpt.gpt_model:GPTModel.__init__",
         "megatron.core.models.hybrid.hybrid_model:HybridModel.__init__ (0.18+)",
+        "megatron.core.models.mamba.mamba_model:MambaModel.__init__ (0.17-)",
         "megatron.core.transformer.transformer_block:TransformerBlock._checkpointed_forward (0.17-) / "
         "checkpointed_forward (0.18+)",
         "megatron.core.models.hybrid.hybrid_block:checkpointed_forward (0.18+)",

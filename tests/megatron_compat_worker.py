@@ -43,6 +43,18 @@ def hybrid_findings(spec, topology, tokens) -> Dict[str, Any]:
     return {"trainable": _trainable(model), "layer0_b_grads": _layer0_b_grads(model, tokens)}
 
 
+def mamba_findings(spec, topology, tokens) -> Dict[str, Any]:
+    """MambaModel up to 0.17 (not yet a HybridModel) with an attention+MLP pattern: adapters and grads."""
+    from megatron.core.models.mamba.mamba_model import MambaModel
+
+    model = MambaModel(
+        config=models.transformer_config(spec, topology), mamba_stack_spec=models.hybrid_stack_spec(spec, topology),
+        vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length, hybrid_override_pattern="*-*-",
+        position_embedding_type="rope",
+    )
+    return {"trainable": _trainable(model), "layer0_b_grads": _layer0_b_grads(model, tokens)}
+
+
 def gpt_recompute_grads(spec, topology, tokens) -> Dict[str, float]:
     return _layer0_b_grads(models.build_model(spec, topology, **RECOMPUTE)[0], tokens)
 
@@ -102,8 +114,8 @@ def world1(rank: int, world_size: int) -> Dict[str, Any]:
             found["gtp"] = gtp_message(spec, topology)
         try:
             import megatron.core.models.hybrid.hybrid_model  # noqa: F401
-        except ModuleNotFoundError:  # before 0.18
-            pass
+        except ModuleNotFoundError:  # before 0.18: MambaModel is the hybrid model
+            found["mamba"] = mamba_findings(spec, topology, tokens)
         else:
             found["hybrid"] = hybrid_findings(spec, topology, tokens)
     found["status"] = {row.patch: row.state for row in megatron_lora_patch.status()}

@@ -270,11 +270,16 @@ def layer_spec(spec: TinyGPTSpec, topology: Any = None):
 
 
 def hybrid_stack_spec(spec: TinyGPTSpec, topology: Any = None):
-    """A local (non-TE) `HybridStack` spec (Megatron-Core 0.18+) for the attention (`*`) and MLP (`-`)
-    layers of a hybrid pattern, cut from the GPT local layer spec: their linears are the GPT model's."""
+    """A local (non-TE) `HybridStack` spec (Megatron-Core 0.18+; `MambaStack` before) for the attention
+    (`*`) and MLP (`-`) layers of a hybrid pattern, cut from the GPT local layer spec: their linears are
+    the GPT model's."""
     import dataclasses as dc
 
-    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    try:
+        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    except ImportError:  # up to 0.17 the same stack is MambaStack
+        from megatron.core.ssm.mamba_block import MambaStack as HybridStack
+        from megatron.core.ssm.mamba_block import MambaStackSubmodules as HybridStackSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
     from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
