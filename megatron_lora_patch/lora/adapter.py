@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from .config import LoraConfig
 from .init import logical_factors
 from .layouts import shard
+from .linear import add_up_projection
 from .metadata import AdapterParamInfo, tag
 
 
@@ -130,8 +131,10 @@ class LoraAdapter(torch.nn.Module):
         with tracker.fork(get_expert_parallel_rng_tracker_name()) if self.is_expert else tracker.fork():
             return _keep_mask(local_input, self.dropout)
 
-    def column_term(self, total_input: torch.Tensor, local_input: Optional[torch.Tensor]) -> torch.Tensor:
-        """`s * dropout(x) A^T B_shard^T` on the (gathered / copied) input of the base matmul.
+    def column_term(self, total_input: torch.Tensor, local_input: Optional[torch.Tensor],
+                    base_output: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`s * dropout(x) A^T B_shard^T` on the (gathered / copied) input of the base matmul,
+        added to `base_output` in the up-projection's GEMM when given (`add_up_projection`).
 
         With `local_input` given (sequence parallel, `sp_input="regather"`), backward
         keeps only that local shard and all-gathers it again for dA.
@@ -141,12 +144,13 @@ class LoraAdapter(torch.nn.Module):
             hidden = F.linear(_apply_mask(total_input, mask, self.dropout), self.A)
         else:
             hidden = _DownProjectionRegather.apply(total_input, self.A, local_input, mask, self.dropout, self.tp_group)
-        return self.scale * F.linear(hidden, self.B)
+        return add_up_projection(base_output, hidden * self.scale, self.B)
 
-    def row_term(self, local_input: torch.Tensor) -> torch.Tensor:
-        """`s * dropout(x_shard) A_shard^T B^T`: this rank's partial sum of the LoRA output."""
+    def row_term(self, local_input: torch.Tensor, base_output: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`s * dropout(x_shard) A_shard^T B^T`: this rank's partial sum of the LoRA output
+        (plus `base_output` when given, fused as in `column_term`)."""
         dropped = _apply_mask(local_input, self.row_mask(local_input), self.dropout)
-        return self.scale * F.linear(F.linear(dropped, self.A), self.B)
+        return add_up_projection(base_output, F.linear(dropped, self.A) * self.scale, self.B)
 
 
 def _keep_mask(activation: torch.Tensor, dropout: float) -> torch.Tensor:
