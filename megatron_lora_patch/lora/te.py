@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .adapter import LoraAdapter, _apply_mask
+from .adapter import LoraAdapter, _apply_mask, _DownProjection
 from .linear import adapter_of, add_up_projection
 
 TE_MODULE = "megatron.core.extensions.transformer_engine"
@@ -96,7 +96,7 @@ def column_term(adapter: LoraAdapter, x: torch.Tensor, sequence_parallel: bool,
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
     if sequence_parallel:  # x is this rank's sequence shard
-        local = F.linear(_apply_mask(x, adapter.row_mask(x), adapter.dropout), adapter.A)
+        local = _DownProjection.apply(_apply_mask(x, adapter.row_mask(x), adapter.dropout), adapter.A)
         hidden = gather_from_sequence_parallel_region(local, tensor_parallel_output_grad=True, group=adapter.tp_group)
     else:  # x is replicated over TP
         dropped = _apply_mask(x, adapter.column_mask(x), adapter.dropout)
@@ -110,7 +110,7 @@ def row_term(adapter: LoraAdapter, x: torch.Tensor, sequence_parallel: bool,
     added to `base_output` in the up-projection's GEMM when given."""
     from megatron.core.tensor_parallel.mappings import reduce_scatter_to_sequence_parallel_region
 
-    partial = F.linear(_apply_mask(x, adapter.row_mask(x), adapter.dropout), adapter.A)
+    partial = _DownProjection.apply(_apply_mask(x, adapter.row_mask(x), adapter.dropout), adapter.A)
     if sequence_parallel:
         hidden = reduce_scatter_to_sequence_parallel_region(partial, group=adapter.tp_group)
         return add_up_projection(base_output, hidden * adapter.scale, adapter.B)
