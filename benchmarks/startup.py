@@ -82,7 +82,7 @@ def main() -> None:
             out = subprocess.run([str(installed), "-c", APPLY_TIMING], capture_output=True, text=True, cwd=tmp)
             if out.returncode:
                 raise SystemExit(f"apply timing failed:\n{out.stderr}")
-            samples.append([float(x) for x in out.stdout.split()])
+            samples.append([float(x) for x in out.stdout.splitlines()[-1].split()])  # the last line: log lines may precede
         apply_ms = statistics.median(s[0] for s in samples) * 1e3
         revert_ms = statistics.median(s[1] for s in samples) * 1e3
         print(

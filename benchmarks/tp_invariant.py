@@ -1,12 +1,14 @@
 """Step time and peak memory of the TP-invariant mode vs the default mode at TP=2 (issue 7 benchmark).
 
-One gloo world of 2 ranks per mode runs Megatron training steps of a GQA GPT with LoRA on
-every linear (the testbed driver: DDP, schedule, finalize, Adam with clipping). Per step it
-records the wall time of the whole step (forward + backward + optimizer) and of the model
-forwards alone (forward pre/post hooks on the model), after `--warmup` untimed steps; medians
-over the timed steps of rank 0 are reported.
+One gloo world of 2 ranks runs Megatron training steps of a GQA GPT with LoRA on every linear
+(the testbed driver: DDP, schedule, finalize, Adam with clipping) in both modes, alternating
+run by run (ABBA; the patches applied and reverted around each run), so machine drift hits
+both modes alike. Per step it records the wall time of the whole step (forward + backward +
+optimizer) and of the model forwards alone (forward pre/post hooks on the model), after
+`--warmup` untimed steps; medians over the timed steps of rank 0, and the spread of the
+per-run step-time ratio, are reported.
 
-Memory: the growth of the process's peak resident set size (`resource.getrusage` ru_maxrss)
+Memory (one world per mode: the peak is per process): the growth of the process's peak resident set size (`resource.getrusage` ru_maxrss)
 over the resident size right after the model is built, max over ranks. tracemalloc is not used
 because torch's CPU allocator bypasses Python's allocator (it would see none of the tensors).
 RSS growth counts activations, gathered weights and temporaries, plus allocator slack.
@@ -14,7 +16,7 @@ RSS growth counts activations, gathered weights and temporaries, plus allocator 
 Anchor: Megatron-LM #4740 reports +70 % forward and +163 % end-to-end on GPU (TE kernels,
 real sizes); on 2 CPU cores with gloo the ratios are only indicative.
 
-Usage: python benchmarks/tp_invariant.py [--steps 4] [--warmup 1] [--hidden 256] [--seq 128] [--sp]
+Usage: python benchmarks/tp_invariant.py [--steps 4] [--warmup 1] [--rounds 4] [--hidden 256] [--seq 128] [--sp]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from megatron_lora_patch.testing.launcher import run_world
 
 PATCHES = ("cpu_compat", "lora_linear", "finalize_grads", "loss_normalization")
+MODES = (("default", False), ("tp_invariant", True))
 _FORWARD: dict = {"started": None, "seconds": 0.0}
 _STEP_ENDS: list = []
 
@@ -56,7 +59,8 @@ def _step_end(step, record, chunks) -> None:
     _FORWARD["seconds"] = 0.0
 
 
-def _measure(rank, world_size, spec, topology_text, invariant, steps):
+def _train(spec, topology_text, invariant, steps) -> tuple:
+    """One training run of `steps` steps in one mode: (record, time the run started)."""
     import megatron_lora_patch
     from megatron_lora_patch.lora.config import LoraConfig, set_active
     from megatron_lora_patch.plugin import PATCH_MODULES
@@ -71,24 +75,57 @@ def _measure(rank, world_size, spec, topology_text, invariant, steps):
         capture=Capture(params=None, on_step_end=_step_end),
     )
     topology = Topology.parse(topology_text)
-    with topology.world(seed=settings.seed):
-        started = time.perf_counter()
-        record = train_steps(spec, topology, settings)
+    _STEP_ENDS.clear()
+    try:
+        with topology.world(seed=settings.seed):
+            started = time.perf_counter()
+            return train_steps(spec, topology, settings), started
+    finally:
+        set_active(None)
+        megatron_lora_patch.revert()
+
+
+def _step_times(record, started) -> dict:
     ends = [started] + _STEP_ENDS
-    peak_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - _FORWARD["rss_before"]
-    return {
-        "step_s": [end - begin for begin, end in zip(ends, ends[1:])],
-        "forward_s": [step["extra"]["forward_s"] for step in record["steps"]],
-        "peak_growth_bytes": peak_growth,
-    }
+    return {"step_s": [end - begin for begin, end in zip(ends, ends[1:])],
+            "forward_s": [step["extra"]["forward_s"] for step in record["steps"]]}
+
+
+def _measure_memory(rank, world_size, spec, topology_text, invariant, steps) -> float:
+    """Peak RSS growth of one mode: its own world, since the peak is per process."""
+    _train(spec, topology_text, invariant, steps)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - _FORWARD["rss_before"]
+
+
+def _measure_times(rank, world_size, spec, topology_text, steps, rounds) -> list:
+    """Both modes in ONE world, alternating run by run (ABBA), so machine drift hits both alike."""
+    runs = []
+    for round_index in range(rounds):
+        modes = MODES if round_index % 2 == 0 else MODES[::-1]
+        runs.append({mode: _step_times(*_train(spec, topology_text, invariant, steps))
+                     for mode, invariant in modes})
+    return runs
+
+
+def _summary(runs: list, warmup: int) -> dict:
+    """Per mode: medians over every timed step of every round; per-round ratios (median, min, max)."""
+    figures = {}
+    for mode, _ in MODES:
+        figures[mode] = {key: statistics.median(value for run in runs for value in run[mode][key][warmup:])
+                         for key in ("step_s", "forward_s")}
+    ratios = [statistics.median(run["tp_invariant"]["step_s"][warmup:]) / statistics.median(run["default"]["step_s"][warmup:])
+              for run in runs]
+    figures["ratio"] = (statistics.median(ratios), min(ratios), max(ratios))
+    return figures
 
 
 def main() -> None:
     from megatron_lora_patch.testing.models import TinyGPTSpec
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first, per run")
+    parser.add_argument("--rounds", type=int, default=4, help="runs per mode, alternating")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--sp", action="store_true", help="TP=2 with sequence parallelism")
@@ -96,25 +133,22 @@ def main() -> None:
     spec = TinyGPTSpec(hidden_size=options.hidden, ffn_hidden_size=2 * options.hidden, num_attention_heads=8,
                        num_query_groups=4, vocab_size=512, seq_length=options.seq)
     topology = "tp2-sp" if options.sp else "tp2"
-    results = {}
-    for mode, invariant in (("default", False), ("tp_invariant", True)):
-        ranks = run_world(_measure, 2, args=(spec, topology, invariant, options.warmup + options.steps),
-                          timeout=1200, name=f"{topology} {mode}")
-        timed = slice(options.warmup, None)
-        results[mode] = {
-            "step_s": statistics.median(ranks[0]["step_s"][timed]),
-            "forward_s": statistics.median(ranks[0]["forward_s"][timed]),
-            "peak_mib": max(rank["peak_growth_bytes"] for rank in ranks) / 2**20,
-        }
-    print(f"{topology}, GQA GPT hidden {options.hidden}, seq {options.seq}, LoRA r16 on all linears, "
-          f"global batch 4, {options.steps} timed steps (median, rank 0)")
+    steps = options.warmup + options.steps
+    runs = run_world(_measure_times, 2, args=(spec, topology, steps, options.rounds), timeout=3000,
+                     name=f"{topology} both modes")[0]
+    figures = _summary(runs, options.warmup)
+    peak_mib = {mode: max(run_world(_measure_memory, 2, args=(spec, topology, invariant, steps), timeout=1200,
+                                    name=f"{topology} {mode} memory")) / 2**20 for mode, invariant in MODES}
+    print(f"{topology}, GQA GPT hidden {options.hidden}, seq {options.seq}, LoRA r16 on all linears, global batch 4; "
+          f"{options.rounds} alternating runs per mode of {options.steps} timed steps (medians, rank 0)")
     print(f"{'mode':14s} {'step s':>9s} {'forward s':>10s} {'peak RSS growth MiB':>20s}")
-    for mode, figures in results.items():
-        print(f"{mode:14s} {figures['step_s']:9.4f} {figures['forward_s']:10.4f} {figures['peak_mib']:20.1f}")
-    base, invariant = results["default"], results["tp_invariant"]
-    print(f"ratio (tp_invariant / default): step {invariant['step_s'] / base['step_s']:.2f}x, "
+    for mode, _ in MODES:
+        print(f"{mode:14s} {figures[mode]['step_s']:9.4f} {figures[mode]['forward_s']:10.4f} {peak_mib[mode]:20.1f}")
+    base, invariant = figures["default"], figures["tp_invariant"]
+    median, low, high = figures["ratio"]
+    print(f"ratio (tp_invariant / default): step {median:.2f}x (per-round min {low:.2f}, max {high:.2f}), "
           f"forward {invariant['forward_s'] / base['forward_s']:.2f}x, "
-          f"peak memory growth {invariant['peak_mib'] / max(base['peak_mib'], 1e-9):.2f}x")
+          f"peak memory growth {peak_mib['tp_invariant'] / max(peak_mib['default'], 1e-9):.2f}x")
 
 
 if __name__ == "__main__":

@@ -225,7 +225,8 @@ def _tp2_rank(rank: int, world_size: int, sequence_parallel: bool) -> dict:
     from megatron_lora_patch.testing.topology import Topology
 
     apply_patches(finalize=True, loss=True)
-    topology = Topology.parse("tp2-sp" if sequence_parallel else "tp2")
+    # Expert TP 2 as well: the expert-TP group is then a distinct group over the TP ranks (mixed_dtype_buckets).
+    topology = Topology.parse("tp2-etp2-sp" if sequence_parallel else "tp2-etp2")
     with topology.world(cpu_compat=False):
         samples = samples_of_dp_rank(global_batch(1), 0, 1)
         model, config = build_ddp_model(tp=2, sequence_parallel=sequence_parallel)
@@ -266,22 +267,27 @@ def count_extension_all_reduces(model) -> int:
 
 
 def mixed_dtype_buckets() -> dict:
-    """Plain `.grad` params: fp32 and bf16 replicated on TP (2 buckets), one on a size-1 group (skipped)."""
+    """Plain `.grad` params: fp32 and bf16 replicated on TP (2 buckets), one on a size-1 group (skipped),
+    and an expert factor on the expert-TP group: a distinct group object over the TP ranks (ETP = TP,
+    EP = 1), so it joins the fp32 TP bucket (one all-reduce per distinct ranks, not per group object)."""
     from megatron.core import parallel_state
 
     from megatron_lora_patch.lora.grad_sync import sum_replicated_adapter_grads
     from megatron_lora_patch.lora.metadata import AdapterParamInfo, tag
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
+    expert_tp_group = parallel_state.get_expert_tensor_parallel_group()
     single = parallel_state.get_data_parallel_group()  # size 1 in a TP2 world: must be skipped
     rank = torch.distributed.get_rank()
     module = torch.nn.Module()
     specs = {"f32": (torch.float32, tp_group), "f32b": (torch.float32, tp_group), "bf16": (torch.bfloat16, tp_group),
-             "solo": (torch.float32, single)}
+             "solo": (torch.float32, single), "expert": (torch.float32, expert_tp_group)}
     for name, (dtype, group) in specs.items():
         param = torch.nn.Parameter(torch.zeros(3, dtype=dtype))
         param.grad = torch.full((3,), (1.0 + rank) * (1 + 1 / 128), dtype=dtype)  # exact in bf16 and fp32
-        tag(param, AdapterParamInfo(module=name, factor="A", replicated=True, domain="tp", group=group, expert=False))
+        expert = group is expert_tp_group
+        tag(param, AdapterParamInfo(module=name, factor="A", replicated=True, domain="expert_tp" if expert else "tp",
+                                    group=group, expert=expert))
         module.register_parameter(name, param)
     calls = []
     original = torch.distributed.all_reduce
@@ -290,7 +296,10 @@ def mixed_dtype_buckets() -> dict:
         sum_replicated_adapter_grads([module])
     finally:
         torch.distributed.all_reduce = original
+    same_ranks = (torch.distributed.get_process_group_ranks(expert_tp_group)
+                  == torch.distributed.get_process_group_ranks(tp_group))
     return {"calls": calls, "grads": {name: p.grad.float() for name, p in module.named_parameters()},
+            "expert_tp_is_tp_ranks_other_group": same_ranks and expert_tp_group is not tp_group,
             "dtypes": {name: p.grad.dtype for name, p in module.named_parameters()}}
 
 
@@ -363,9 +372,12 @@ def test_one_all_reduce_per_bucket(tp2):
     for rank_result in tp2:
         assert rank_result["buckets"] == 1  # both replicated factors: one (tp group, sum, fp32, cpu) bucket
         mixed = rank_result["mixed_dtype"]
-        assert mixed["calls"] == [torch.float32, torch.float32]  # fp32 bucket, bf16 bucket reduced in fp32
+        # fp32 bucket (dense and expert TP: same ranks, other group objects), bf16 bucket reduced in fp32
+        assert mixed["expert_tp_is_tp_ranks_other_group"]
+        assert mixed["calls"] == [torch.float32, torch.float32]
         summed = 3 * (1 + 1 / 128)
         assert mixed["grads"]["f32"].tolist() == mixed["grads"]["f32b"].tolist() == [summed] * 3
+        assert mixed["grads"]["expert"].tolist() == [summed] * 3
         assert mixed["grads"]["bf16"].tolist() == [torch.tensor(summed).to(torch.bfloat16).item()] * 3
         assert mixed["dtypes"]["bf16"] == torch.bfloat16
         assert mixed["grads"]["solo"].tolist() == [(1.0 + rank_result["rank"]) * (1 + 1 / 128)] * 3

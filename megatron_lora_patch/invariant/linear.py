@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lora_patch.invariant.collectives import gather_logical, local_slice, owned_by_first_rank
-from megatron_lora_patch.lora.linear import adapter_of
+from megatron_lora_patch.lora.linear import adapter_of, add_up_projection
 from megatron_lora_patch.invariant import TPInvariantUnsupported
 
 #: Attribute a patch sets on a column layer whose shards interleave two halves (SwiGLU fc1)
@@ -81,10 +81,12 @@ def _matmul(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return flat.view(*input.shape[:-1], flat.shape[-1])
 
 
-def _lora(adapter: Any, total: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
-    """`s * (x A^T) B^T` at full width: both contractions over the full dimension, in the TP = 1 order."""
+def _plus_lora(output: torch.Tensor, adapter: Any, total: torch.Tensor, lora_a: torch.Tensor,
+               lora_b: torch.Tensor) -> torch.Tensor:
+    """`output + (s * x A^T) B^T` at full width, fused into one GEMM with accumulation
+    (`add_up_projection`): both contractions over the full dimension, in the TP = 1 order."""
     _check_adapter(adapter)
-    return adapter.scale * _matmul(_matmul(total, lora_a), lora_b)
+    return add_up_projection(output, _matmul(total, lora_a) * adapter.scale, lora_b)
 
 
 def _stride(layer: Any, tensor: torch.Tensor) -> int:
@@ -109,7 +111,7 @@ def column_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor, bias: O
     adapter = adapter_of(layer)
     if adapter is not None:
         full_b = gather_logical(adapter.B, 0, _stride(layer, adapter.B), group)
-        output = output + _lora(adapter, total, adapter.A, full_b)
+        output = _plus_lora(output, adapter, total, adapter.A, full_b)
     return local_slice(output, -1, stride, group)
 
 
@@ -121,7 +123,7 @@ def row_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor) -> torch.T
     output = _matmul(total, gather_logical(weight, 1, 1, group))
     adapter = adapter_of(layer)
     if adapter is not None:
-        output = output + _lora(adapter, total, gather_logical(adapter.A, 1, 1, group), adapter.B)
+        output = _plus_lora(output, adapter, total, gather_logical(adapter.A, 1, 1, group), adapter.B)
     return owned_by_first_rank(output, group)
 
 

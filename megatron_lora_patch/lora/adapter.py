@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from .config import LoraConfig
 from .init import logical_factors
 from .layouts import shard
+from .linear import add_up_projection
 from .metadata import AdapterParamInfo, tag
 
 
@@ -130,23 +131,26 @@ class LoraAdapter(torch.nn.Module):
         with tracker.fork(get_expert_parallel_rng_tracker_name()) if self.is_expert else tracker.fork():
             return _keep_mask(local_input, self.dropout)
 
-    def column_term(self, total_input: torch.Tensor, local_input: Optional[torch.Tensor]) -> torch.Tensor:
-        """`s * dropout(x) A^T B_shard^T` on the (gathered / copied) input of the base matmul.
+    def column_term(self, total_input: torch.Tensor, local_input: Optional[torch.Tensor],
+                    base_output: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`s * dropout(x) A^T B_shard^T` on the (gathered / copied) input of the base matmul,
+        added to `base_output` in the up-projection's GEMM when given (`add_up_projection`).
 
         With `local_input` given (sequence parallel, `sp_input="regather"`), backward
         keeps only that local shard and all-gathers it again for dA.
         """
         mask = self.column_mask(total_input)
         if local_input is None:
-            hidden = F.linear(_apply_mask(total_input, mask, self.dropout), self.A)
+            hidden = _DownProjection.apply(_apply_mask(total_input, mask, self.dropout), self.A)
         else:
             hidden = _DownProjectionRegather.apply(total_input, self.A, local_input, mask, self.dropout, self.tp_group)
-        return self.scale * F.linear(hidden, self.B)
+        return add_up_projection(base_output, hidden * self.scale, self.B)
 
-    def row_term(self, local_input: torch.Tensor) -> torch.Tensor:
-        """`s * dropout(x_shard) A_shard^T B^T`: this rank's partial sum of the LoRA output."""
+    def row_term(self, local_input: torch.Tensor, base_output: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`s * dropout(x_shard) A_shard^T B^T`: this rank's partial sum of the LoRA output
+        (plus `base_output` when given, fused as in `column_term`)."""
         dropped = _apply_mask(local_input, self.row_mask(local_input), self.dropout)
-        return self.scale * F.linear(F.linear(dropped, self.A), self.B)
+        return add_up_projection(base_output, _DownProjection.apply(dropped, self.A) * self.scale, self.B)
 
 
 def _keep_mask(activation: torch.Tensor, dropout: float) -> torch.Tensor:
@@ -156,6 +160,30 @@ def _keep_mask(activation: torch.Tensor, dropout: float) -> torch.Tensor:
 def _apply_mask(activation: torch.Tensor, mask: Optional[torch.Tensor], dropout: float) -> torch.Tensor:
     """Inverted dropout with a given keep-mask (None: no dropout)."""
     return activation if mask is None else activation * mask / (1.0 - dropout)
+
+
+class _DownProjection(torch.autograd.Function):
+    """`h = x A^T` whose input grad is a fresh tensor, not a view.
+
+    Why: x also feeds the base matmul, so autograd sums two input grads. It adds the second
+    into the first in place only if the first owns its storage alone; `F.linear`'s generated
+    backward hands x a view (reshape of a 2-D grad), which forces an out-of-place add: one more
+    input-sized tensor per layer in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, lora_a):
+        ctx.save_for_backward(x, lora_a)
+        return torch.matmul(x, lora_a.t())
+
+    @staticmethod
+    def backward(ctx, grad_hidden):
+        x, lora_a = ctx.saved_tensors
+        grad_x = torch.matmul(grad_hidden, lora_a) if ctx.needs_input_grad[0] else None
+        grad_a = None
+        if ctx.needs_input_grad[1]:
+            grad_a = grad_hidden.reshape(-1, grad_hidden.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        return grad_x, grad_a
 
 
 class _DownProjectionRegather(torch.autograd.Function):

@@ -13,12 +13,13 @@ right after Megatron's `finalize_model_grads`.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Dict, Iterable, Iterator, List, Tuple
 
 import torch
 import torch.distributed
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megatron_lora_patch.lora import metadata
 from megatron_lora_patch.lora.metadata import AdapterParamInfo, adapter_info
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,11 @@ log = logging.getLogger(__name__)
 #: Grads below fp32 are summed in fp32 (partial sums of bf16 grads lose bits otherwise).
 REDUCE_DTYPE = torch.float32
 
-BucketKey = Tuple[Any, str, torch.dtype, torch.device]  # (domain group, op, grad dtype, device)
+BucketKey = Tuple[Tuple[int, ...], str, torch.dtype, torch.device]  # (domain ranks, op, grad dtype, device)
+
+#: model chunk -> (metadata generation, its replicated adapter factors in model order): one walk over
+#: the chunk's parameters per set of adapters, not per step (`metadata.generation` moves on every tag).
+_REPLICATED_OF_CHUNK: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
 def grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -34,6 +39,19 @@ def grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
     if hasattr(param, "main_grad"):
         return param.main_grad
     return param.grad
+
+
+def _replicated_factors_of(chunk: torch.nn.Module) -> tuple:
+    """(param, info) of every replicated adapter factor of `chunk`, cached until adapters are tagged again."""
+    cached = _REPLICATED_OF_CHUNK.get(chunk)
+    if cached is not None and cached[0] == metadata.generation():
+        return cached[1]
+    factors = tuple(
+        (param, info) for param in chunk.parameters()
+        if (info := adapter_info(param)) is not None and info.replicated
+    )
+    _REPLICATED_OF_CHUNK[chunk] = (metadata.generation(), factors)
+    return factors
 
 
 def replicated_adapter_params(model_chunks: Iterable[torch.nn.Module]) -> Iterator[Tuple[torch.nn.Parameter, AdapterParamInfo]]:
@@ -44,9 +62,8 @@ def replicated_adapter_params(model_chunks: Iterable[torch.nn.Module]) -> Iterat
     """
     seen = set()
     for chunk in model_chunks:
-        for param in chunk.parameters():
-            info = adapter_info(param)
-            if info is None or not info.replicated or not param.requires_grad or id(param) in seen:
+        for param, info in _replicated_factors_of(chunk):
+            if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
             if getattr(param, "sequence_parallel", False) or getattr(param, "average_gradients_across_tp_domain", False):
@@ -62,35 +79,57 @@ def replicated_adapter_params(model_chunks: Iterable[torch.nn.Module]) -> Iterat
             yield param, info
 
 
-def bucket_replicated_adapter_grads(model_chunks: Iterable[torch.nn.Module]) -> Dict[BucketKey, List[torch.Tensor]]:
-    """The grads to SUM, grouped by (domain group, op, dtype, device) in first-seen order."""
-    buckets: Dict[BucketKey, List[torch.Tensor]] = {}
+def bucket_replicated_adapter_grads(model_chunks: Iterable[torch.nn.Module]) -> Dict[BucketKey, Tuple[Any, List[torch.Tensor]]]:
+    """(group, grads) to SUM, keyed by (domain ranks, op, dtype, device) in first-seen order.
+
+    Keyed by the ranks, not the group object: expert TP and dense TP are distinct groups over
+    the same ranks when ETP == TP (and EP == 1), and one all-reduce serves both. The first
+    group seen for a key carries it (model order, so the same one on every rank).
+    """
+    buckets: Dict[BucketKey, Tuple[Any, List[torch.Tensor]]] = {}
+    ranks_of: Dict[int, Tuple[int, ...]] = {}
     for param, info in replicated_adapter_params(model_chunks):
         grad = grad_of(param)
         if grad is None:  # like Megatron's finalize: a param without a grad on this step is skipped
             continue
-        key = (info.group, info.grad_sync_op, grad.dtype, grad.device)
-        buckets.setdefault(key, []).append(grad)
+        ranks = ranks_of.get(id(info.group))
+        if ranks is None:
+            ranks = ranks_of[id(info.group)] = tuple(torch.distributed.get_process_group_ranks(info.group))
+        key = (ranks, info.grad_sync_op, grad.dtype, grad.device)
+        buckets.setdefault(key, (info.group, []))[1].append(grad)
     return buckets
 
 
 def sum_replicated_adapter_grads(model_chunks: Iterable[torch.nn.Module]) -> int:
     """SUM every replicated adapter factor's grad over its domain, in place; returns the collectives issued.
 
-    One coalesced all-reduce per (domain group, op, dtype, device) bucket, the way
-    Megatron's finalize reduces its own layernorm grads (`_flatten_dense_tensors`).
-    Must run on every rank of each domain at the same point of the step.
+    One coalesced all-reduce per (domain ranks, op, dtype, device) bucket, the way
+    Megatron's finalize reduces its own layernorm grads. Must run on every rank of each
+    domain at the same point of the step.
     """
     buckets = bucket_replicated_adapter_grads(model_chunks)
-    for (group, op, dtype, _device), grads in buckets.items():
+    for (ranks, op, dtype, _device), (group, grads) in buckets.items():
         if op != "sum":
             raise ValueError(f"unsupported adapter grad_sync_op {op!r}; replicated factors are SUMmed")
-        coalesced = _flatten_dense_tensors([grad.data for grad in grads])
-        if dtype.is_floating_point and dtype.itemsize < REDUCE_DTYPE.itemsize:
-            coalesced = coalesced.to(REDUCE_DTYPE)
-        torch.distributed.all_reduce(coalesced, op=torch.distributed.ReduceOp.SUM, group=group)
-        for grad, synced in zip(grads, _unflatten_dense_tensors(coalesced, grads)):
-            grad.data.copy_(synced)
-        log.debug("summed %d replicated adapter grads (%s) over a group of %d ranks",
-                  len(grads), dtype, torch.distributed.get_world_size(group))
+        _all_reduce_sum(grads, group, dtype)
+        log.debug("summed %d replicated adapter grads (%s) over a group of %d ranks", len(grads), dtype, len(ranks))
     return len(buckets)
+
+
+@torch.no_grad()
+def _all_reduce_sum(grads: List[torch.Tensor], group: Any, dtype: torch.dtype) -> None:
+    """SUM `grads` over `group` in place with one all-reduce: a lone contiguous grad in its own
+    dtype is reduced where it lies; otherwise each grad is copied (cast) into one flat buffer in
+    the reduce dtype and back, one copy each way."""
+    reduce_dtype = REDUCE_DTYPE if dtype.is_floating_point and dtype.itemsize < REDUCE_DTYPE.itemsize else dtype
+    if len(grads) == 1 and reduce_dtype == dtype and grads[0].is_contiguous():
+        torch.distributed.all_reduce(grads[0], op=torch.distributed.ReduceOp.SUM, group=group)
+        return
+    sizes = [grad.numel() for grad in grads]
+    flat = torch.empty(sum(sizes), dtype=reduce_dtype, device=grads[0].device)
+    slots = [slot.view(grad.shape) for slot, grad in zip(flat.split(sizes), grads)]
+    for slot, grad in zip(slots, grads):
+        slot.copy_(grad)
+    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM, group=group)
+    for slot, grad in zip(slots, grads):
+        grad.copy_(slot)

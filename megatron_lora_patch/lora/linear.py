@@ -25,7 +25,9 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
+
+import torch
 
 from .metadata import ADAPTER_NAME
 
@@ -41,8 +43,14 @@ def adapter_of(layer: Any) -> Optional[LoraAdapter]:
 
 
 def layer_forward(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of a parallel linear's `forward`: exposes its adapter to the linear call."""
-    token = _current_adapter.set(adapter_of(instance))
+    """wrapt wrapper of a parallel linear's `forward`: exposes its adapter to the linear call.
+
+    A layer without an adapter, outside any adapter's call, leaves the variable alone (the
+    frozen-only layers of a model pay one dict lookup, not a set / reset)."""
+    adapter = adapter_of(instance)
+    if adapter is None and _current_adapter.get() is None:
+        return wrapped(*args, **kwargs)
+    token = _current_adapter.set(adapter)
     try:
         return wrapped(*args, **kwargs)
     finally:
@@ -50,20 +58,35 @@ def layer_forward(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -
 
 
 @functools.lru_cache(maxsize=None)
-def _signature(function: Callable) -> inspect.Signature:
-    return inspect.signature(function)
+def _parameter_names(function: Callable) -> Optional[Tuple[str, ...]]:
+    """`function`'s parameter names in order when every one can be passed by name, else None."""
+    parameters = inspect.signature(function).parameters.values()
+    if any(p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in parameters):
+        return None
+    return tuple(p.name for p in parameters)
+
+
+def _call_arguments(function: Callable, args: tuple, kwargs: dict) -> dict:
+    """The call's arguments by name (what `Signature.bind(...).arguments` gives, without
+    defaults), from the names resolved once per function: binding costs microseconds per call."""
+    names = _parameter_names(function)
+    if names is None or len(args) > len(names) or any(name in kwargs for name in names[: len(args)]):
+        return dict(inspect.signature(function).bind(*args, **kwargs).arguments)  # raises the usual TypeError
+    call = dict(zip(names, args))
+    call.update(kwargs)
+    return call
 
 
 def linear_call(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of Megatron's linear functions: base output plus the LoRA term."""
+    """wrapt wrapper of Megatron's linear functions: base output plus the LoRA term (one fused GEMM)."""
     adapter: Optional[LoraAdapter] = _current_adapter.get()
     if adapter is None:
         return wrapped(*args, **kwargs)
     # One adapter term per layer forward: any further call inside it is plain.
     _current_adapter.set(None)
-    call = _signature(wrapped).bind(*args, **kwargs).arguments
+    call = _call_arguments(wrapped, args, kwargs)
     if adapter.parallel_mode == "row":
-        return wrapped(**call) + adapter.row_term(call["input"])
+        return adapter.row_term(call["input"], wrapped(**call))
     return column_call(wrapped, call, adapter)
 
 
@@ -85,4 +108,22 @@ def column_call(linear: Callable, call: dict, adapter: LoraAdapter) -> Any:
     else:
         total_input = local_input
     call.update(input=total_input, sequence_parallel=False, allreduce_dgrad=False)
-    return linear(**call) + adapter.column_term(total_input, keep_local)
+    return adapter.column_term(total_input, keep_local, linear(**call))
+
+
+def add_up_projection(base_output: Optional[torch.Tensor], scaled_hidden: torch.Tensor,
+                      lora_b: torch.Tensor) -> torch.Tensor:
+    """`base_output + scaled_hidden B^T` as ONE GEMM with accumulation (`addmm`), or the bare
+    up-projection when `base_output` is None.
+
+    Why: the scale rides the rank-r hidden ([tokens, r], not [tokens, out]) and the sum is the
+    GEMM's own epilogue, so forward allocates one output-sized tensor (the result) and
+    backward none beyond the grads themselves (addmm passes the output grad to `base_output`
+    as is). Out-of-place: the base output may be saved by its own autograd node.
+    """
+    flat_hidden = scaled_hidden.reshape(-1, scaled_hidden.shape[-1])
+    if base_output is None:
+        flat = torch.mm(flat_hidden, lora_b.t())
+        return flat.view(*scaled_hidden.shape[:-1], flat.shape[-1])
+    flat = torch.addmm(base_output.reshape(-1, base_output.shape[-1]), flat_hidden, lora_b.t())
+    return flat.view(base_output.shape)

@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional
 ATTRIBUTE = "lora_info"
 #: The submodule name under which a wrapped layer holds its adapter (`<layer>.lora.A`).
 ADAPTER_NAME = "lora"
+_generation = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,4 +42,12 @@ def adapter_info(param: Any) -> Optional[AdapterParamInfo]:
 
 def tag(param: Any, info: AdapterParamInfo) -> None:
     """Attach `info` to `param` (the one way adapter parameters are marked)."""
+    global _generation
     setattr(param, ATTRIBUTE, info)
+    _generation += 1
+
+
+def generation() -> int:
+    """How many times `tag` has run in this process: caches of the tagged parameters of a
+    model (`grad_sync`) are valid while it stays the same."""
+    return _generation

@@ -41,8 +41,8 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .adapter import LoraAdapter, _apply_mask
-from .linear import adapter_of
+from .adapter import LoraAdapter, _apply_mask, _DownProjection
+from .linear import adapter_of, add_up_projection
 
 TE_MODULE = "megatron.core.extensions.transformer_engine"
 #: Megatron TE class name -> (parallel mode, grouped).
@@ -89,36 +89,46 @@ def geometries(module: torch.nn.Module, mode: str, grouped: bool, is_expert: boo
 # -- the branch ---------------------------------------------------------------------------------
 
 
-def column_term(adapter: LoraAdapter, x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
-    """LoRA output columns of this rank for a column layer whose TE base does its own TP comm."""
+def column_term(adapter: LoraAdapter, x: torch.Tensor, sequence_parallel: bool,
+                base_output: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """LoRA output columns of this rank for a column layer whose TE base does its own TP comm
+    (added to `base_output` in the up-projection's GEMM when given: `adapter.add_up_projection`)."""
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
     if sequence_parallel:  # x is this rank's sequence shard
-        local = F.linear(_apply_mask(x, adapter.row_mask(x), adapter.dropout), adapter.A)
+        local = _DownProjection.apply(_apply_mask(x, adapter.row_mask(x), adapter.dropout), adapter.A)
         hidden = gather_from_sequence_parallel_region(local, tensor_parallel_output_grad=True, group=adapter.tp_group)
     else:  # x is replicated over TP
         dropped = _apply_mask(x, adapter.column_mask(x), adapter.dropout)
         hidden = _DownProjectionAllReduceDgrad.apply(dropped, adapter.A, adapter.tp_group)
-    return adapter.scale * F.linear(hidden, adapter.B)
+    return add_up_projection(base_output, hidden * adapter.scale, adapter.B)
 
 
-def row_term(adapter: LoraAdapter, x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
-    """LoRA output of a row layer whose TE base reduces its own output (full, or a sequence shard)."""
+def row_term(adapter: LoraAdapter, x: torch.Tensor, sequence_parallel: bool,
+             base_output: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """LoRA output of a row layer whose TE base reduces its own output (full, or a sequence shard),
+    added to `base_output` in the up-projection's GEMM when given."""
     from megatron.core.tensor_parallel.mappings import reduce_scatter_to_sequence_parallel_region
 
-    partial = F.linear(_apply_mask(x, adapter.row_mask(x), adapter.dropout), adapter.A)
+    partial = _DownProjection.apply(_apply_mask(x, adapter.row_mask(x), adapter.dropout), adapter.A)
     if sequence_parallel:
         hidden = reduce_scatter_to_sequence_parallel_region(partial, group=adapter.tp_group)
-        return adapter.scale * F.linear(hidden, adapter.B)
-    return _UpProjectionAfterAllReduce.apply(partial, adapter.B, adapter.scale, adapter.tp_group)
+        return add_up_projection(base_output, hidden * adapter.scale, adapter.B)
+    return _UpProjectionAfterAllReduce.apply(partial, adapter.B, adapter.scale, adapter.tp_group, base_output)
 
 
-def lora_term(module: torch.nn.Module, adapter: LoraAdapter, x: torch.Tensor) -> torch.Tensor:
-    """The LoRA term matching what the TE base `module` communicates."""
+def lora_term(module: torch.nn.Module, adapter: LoraAdapter, x: torch.Tensor,
+              base_output: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The LoRA term matching what the TE base `module` communicates (fused into `base_output` if given)."""
     te_communicates = module.parallel_mode is not None and module.tp_size > 1
+    sequence_parallel = module.sequence_parallel
     if adapter.parallel_mode == "column":
-        return column_term(adapter, x, module.sequence_parallel) if te_communicates else adapter.column_term(x, None)
-    return row_term(adapter, x, module.sequence_parallel) if te_communicates else adapter.row_term(x)
+        if te_communicates:
+            return column_term(adapter, x, sequence_parallel, base_output)
+        return adapter.column_term(x, None, base_output)
+    if te_communicates:
+        return row_term(adapter, x, sequence_parallel, base_output)
+    return adapter.row_term(x, base_output)
 
 
 class _DownProjectionAllReduceDgrad(torch.autograd.Function):
@@ -141,23 +151,25 @@ class _DownProjectionAllReduceDgrad(torch.autograd.Function):
 
 
 class _UpProjectionAfterAllReduce(torch.autograd.Function):
-    """`y = s * allreduce(h_partial) B^T`. Backward: dB from this rank's partial h (the
-    finalize SUM over TP completes it); dh_partial = s dy B (the all-reduce's backward is identity)."""
+    """`y = base + s * allreduce(h_partial) B^T` (`base` optional, fused by `add_up_projection`).
+    Backward: dB from this rank's partial h (the finalize SUM over TP completes it);
+    dh_partial = s dy B (the all-reduce's backward is identity); d base = dy, as is."""
 
     @staticmethod
-    def forward(ctx, partial, lora_b, scale, group):
+    def forward(ctx, partial, lora_b, scale, group, base_output):
         total = partial.contiguous().clone()
         torch.distributed.all_reduce(total, group=group)
         ctx.save_for_backward(partial, lora_b)
-        ctx.scale = scale
-        return scale * F.linear(total, lora_b)
+        ctx.scale, ctx.has_base = scale, base_output is not None
+        return add_up_projection(base_output, total.mul_(scale), lora_b)
 
     @staticmethod
     def backward(ctx, grad_output):
         partial, lora_b = ctx.saved_tensors
         flat = grad_output.reshape(-1, grad_output.shape[-1])
-        grad_b = ctx.scale * flat.t().matmul(partial.reshape(-1, partial.shape[-1]))
-        return ctx.scale * grad_output.matmul(lora_b), grad_b, None, None
+        grad_b = flat.t().matmul(partial.reshape(-1, partial.shape[-1])).mul_(ctx.scale)
+        grad_partial = grad_output.matmul(lora_b).mul_(ctx.scale)
+        return grad_partial, grad_b, None, None, grad_output if ctx.has_base else None
 
 
 # -- forward wrappers (installed by patches/lora_linear.py when the TE module imports) ------------
@@ -173,7 +185,7 @@ def linear_forward(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) 
     if adapter is None:
         return wrapped(*args, **kwargs)
     output, bias = wrapped(*args, **kwargs)
-    return output + lora_term(instance, adapter, _first_argument(args, kwargs, "x")), bias
+    return lora_term(instance, adapter, _first_argument(args, kwargs, "x"), output), bias
 
 
 def layernorm_linear_forward(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -191,7 +203,7 @@ def layernorm_linear_forward(wrapped: Callable, instance: Any, args: tuple, kwar
         output, bias, normed = result
     else:  # Megatron returns (TE's (out, ln_out), None)
         (output, normed), bias = result
-    return output + lora_term(instance, adapter, normed), bias
+    return lora_term(instance, adapter, normed, output), bias
 
 
 def grouped_linear_forward(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -207,8 +219,8 @@ def grouped_linear_forward(wrapped: Callable, instance: Any, args: tuple, kwargs
     m_splits = args[1] if len(args) > 1 else kwargs["m_splits"]
     output, bias = wrapped(*args, **kwargs)
     splits = m_splits.tolist() if hasattr(m_splits, "tolist") else list(m_splits)
-    terms = [
-        adapter.column_term(rows, None) if adapter.parallel_mode == "column" else adapter.row_term(rows)
-        for adapter, rows in zip(adapters, torch.split(x, splits))
+    pieces = [
+        adapter.column_term(rows, None, out) if adapter.parallel_mode == "column" else adapter.row_term(rows, out)
+        for adapter, rows, out in zip(adapters, torch.split(x, splits), torch.split(output, splits))
     ]
-    return output + torch.cat(terms), bias
+    return torch.cat(pieces), bias
