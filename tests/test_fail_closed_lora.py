@@ -254,6 +254,9 @@ def test_plugin_declares_every_variable_it_reads():
         "MEGATRON_LORA_B_INIT",
         "MEGATRON_LORA_SEED",
         "MEGATRON_LORA_SP_INPUT",
+        "MEGATRON_LORA_RSLORA",
+        "MEGATRON_LORA_RANK_PATTERN",
+        "MEGATRON_LORA_ALPHA_PATTERN",
     ]
 
 
