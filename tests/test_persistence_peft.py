@@ -31,9 +31,10 @@ import persistence_worker as worker
 SPEC = TinyGPTSpec()  # 4 heads in 2 query groups (GQA), SwiGLU, RoPE, RMSNorm, untied embeddings
 LOGITS_TOLERANCE = 1e-5  # max-abs error relative to the largest logit, fp32
 EXPORT_SEED = 21
-# LoraConfig options of each run, and the PEFT config fields they must become.
+# LoraConfig options of each run, the PEFT config fields they must become, and config changes
+# that must move peft's logits far off (negative controls).
 VARIANTS = {
-    "defaults": ({}, {"use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}}),
+    "defaults": ({}, {"use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}}, [{"lora_alpha": 16.0}]),
     "rslora_patterns": (
         {"rslora": True, "rank_pattern": {"linear_fc1": 2, "linear_fc2": 2}, "alpha_pattern": {"linear_proj": 4.0}},
         {
@@ -41,6 +42,7 @@ VARIANTS = {
             "rank_pattern": {"gate_proj": 2, "up_proj": 2, "down_proj": 2},
             "alpha_pattern": {"o_proj": 4.0},
         },
+        [{"alpha_pattern": {}}, {"use_rslora": False}],
     ),
 }
 
@@ -53,7 +55,7 @@ def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def exported(request, tmp_path_factory):
     """TP2 run: Megatron logits (adapted / merged / unmerged), its checkpoint, and the CLI's PEFT export."""
-    options, peft_fields = VARIANTS[request.param]
+    options, peft_fields, controls = VARIANTS[request.param]
     root = tmp_path_factory.mktemp(f"peft-{request.param}")
     checkpoint, peft_dir = str(root / "checkpoint"), str(root / "peft")
     results = run_world(
@@ -61,7 +63,8 @@ def exported(request, tmp_path_factory):
     )
     done = _cli("export", "--checkpoint", checkpoint, "--out", peft_dir, cwd=root)
     assert done.returncode == 0, done.stderr
-    return {"root": root, "checkpoint": checkpoint, "peft": peft_dir, "ranks": results, "options": options, "fields": peft_fields}
+    return {"root": root, "checkpoint": checkpoint, "peft": peft_dir, "ranks": results, "options": options, "fields": peft_fields,
+            "controls": controls}
 
 
 def _unexpected_key_warnings(peft_dir: str) -> list:
@@ -98,8 +101,26 @@ def test_peft_loads_export_and_matches_megatron_logits(exported):
     assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     assert {field: config[field] for field in exported["fields"]} == exported["fields"]
     assert "megatron_lora_patch" not in config
-    with open(os.path.join(exported["peft"], peft_format.METADATA_NAME)) as handle:
-        assert json.load(handle) == {"family": "llama"}
+
+
+def test_peft_config_fields_decide_the_logits(exported, tmp_path):
+    """Negative controls: the same tensors with one PEFT config field changed (lora_alpha;
+    alpha_pattern dropped, use_rslora off) give logits far from Megatron's, so the match above
+    needs every field right."""
+    from peft import PeftModel
+
+    import hf_llama
+
+    tokens, _ = worker.batch(SPEC)
+    config = json.loads(open(os.path.join(exported["peft"], peft_format.CONFIG_NAME)).read())
+    for index, change in enumerate(exported["controls"]):
+        broken = tmp_path / f"control{index}"
+        shutil.copytree(exported["peft"], broken)
+        (broken / peft_format.CONFIG_NAME).write_text(json.dumps({**config, **change}))
+        model = PeftModel.from_pretrained(hf_llama.llama_for(SPEC, DEFAULT_SEED), str(broken)).eval()
+        with torch.no_grad():
+            logits = model(tokens).logits
+        assert max_abs_error_over_max(logits, exported["ranks"][0]["adapted"]) > 100 * LOGITS_TOLERANCE, change
 
 
 def test_peft_warns_only_about_the_old_embedded_metadata(exported, tmp_path):

@@ -118,7 +118,9 @@ def _layer_list(names: List[str]) -> str:
     return (", ".join(shorts) or "(none)") + example
 
 
-def _check_entries(model: torch.nn.Module, names: List[str], entries: tuple, label: str, what: str = "linear layer") -> None:
+def _check_entries(
+    model: torch.nn.Module, names: List[str], entries: tuple, label: str, what: str = "linear layer"
+) -> None:
     """Every entry matches a `what` (one of `names`) here or elsewhere in the whole model, else a typo."""
     whole: Optional[set] = None
     for entry in entries:
@@ -170,7 +172,11 @@ def _check_patterns(model: torch.nn.Module, selected: List[str], config: LoraCon
         _check_entries(model, selected, entries, labels[field], what="adapted layer")
     if not config.rank_pattern:
         return
-    whole = [n for n in sorted(_whole_model_names(model, selected)) if _matches(n, config.targets) and not _matches(n, config.exclude)]
+    whole = [
+        name
+        for name in sorted(_whole_model_names(model, selected))
+        if _matches(name, config.targets) and not _matches(name, config.exclude)
+    ]
     kinds: Dict[str, str] = {}
     for name in whole:
         first = kinds.setdefault(_INDEX.sub("*", name), name)

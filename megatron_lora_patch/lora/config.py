@@ -39,6 +39,7 @@ import os
 from typing import Any, Callable, Mapping, Optional
 
 from megatron_lora_patch.errors import UsageError
+from megatron_lora_patch.flags import ACCEPTED_BOOLEANS, parse_bool
 
 ENV_PREFIX = "MEGATRON_LORA_"
 CONFIG_FILE_VARIABLE = ENV_PREFIX + "CONFIG"
@@ -221,16 +222,6 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def _parse_bool(text: str) -> bool:
-    word = text.strip().lower()
-    if word not in _TRUE + _FALSE:
-        raise ValueError(text)
-    return word in _TRUE
-
-
 def _pattern_parser(value_type: Callable[[str], Any]) -> Callable[[str], tuple]:
     """'pattern=value,pattern=value' -> ((pattern, value), ...)."""
 
@@ -285,9 +276,10 @@ _RULES: dict = {
     "b_init": ("one of " + ", ".join(B_INIT_CHOICES), str.strip, lambda v: v in B_INIT_CHOICES),
     "seed": ("a non-negative integer", int, _non_negative_int),
     "sp_input": ("one of " + ", ".join(SP_INPUT_CHOICES), str.strip, lambda v: v in SP_INPUT_CHOICES),
-    "rslora": ("a boolean (1/0, true/false, yes/no, on/off)", _parse_bool, lambda v: isinstance(v, bool)),
+    "rslora": ("one of " + ACCEPTED_BOOLEANS, lambda text: parse_bool("rslora", text), lambda v: isinstance(v, bool)),
     "rank_pattern": (
-        "comma-separated pattern=rank entries (positive integer ranks, each pattern once), e.g. 'linear_fc1=8,linear_fc2=8'",
+        "comma-separated pattern=rank entries (positive integer ranks, each pattern once), "
+        "e.g. 'linear_fc1=8,linear_fc2=8'",
         _pattern_parser(int),
         lambda v: _pattern(v, _positive_int),
     ),

@@ -201,7 +201,8 @@ def from_peft(
     where: str = "PEFT adapter",
     family: Optional[str] = None,
 ) -> Logical:
-    """The logical adapters of the modules named in `expected`, from PEFT tensors and config (exact inverse of `to_peft`).
+    """The logical adapters of the modules named in `expected`, from PEFT tensors and config
+    (exact inverse of `to_peft`).
 
     `family`: from `megatron_lora_patch.json` (`read`); None reads the key older exports embedded in the config.
     """
