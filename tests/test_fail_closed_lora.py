@@ -88,7 +88,7 @@ CONFIG_FILE_ERRORS = {
     "nested_table": (
         "nested.toml",
         "[lora]\nrank = 8\n",
-        f"MEGATRON_LORA_CONFIG ({{path}}): unknown key 'lora'; accepted keys: {ACCEPTED_KEYS}",
+        f"MEGATRON_LORA_CONFIG ({{path}}): unknown key 'lora' (did you mean 'rslora'?); accepted keys: {ACCEPTED_KEYS}",
     ),
     "top_level_list": ("list.json", "[1]", "MEGATRON_LORA_CONFIG ({path}): the top level must be a table of settings, got list"),
     "bad_rank": ("rank.toml", "rank = -2\n", "rank in {path} must be a positive integer, got -2"),

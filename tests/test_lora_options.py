@@ -100,7 +100,8 @@ BUILD_ERRORS = {
     ),
     "alpha_pattern_not_targeted": (
         {"MEGATRON_LORA_TARGETS": "linear_qkv", "MEGATRON_LORA_ALPHA_PATTERN": "linear_fc1=2"},
-        "MEGATRON_LORA_ALPHA_PATTERN entry 'linear_fc1' matches no adapted layer of the model; adapted layers: "
+        "MEGATRON_LORA_ALPHA_PATTERN entry 'linear_fc1' matches no adapted layer of the model (did you mean "
+        "'linear_qkv'?); adapted layers: "
         "linear_qkv (or fnmatch globs over qualified names such as 'decoder.layers.0.self_attention.linear_qkv')",
     ),
     "rank_per_layer": (
