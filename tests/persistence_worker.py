@@ -17,9 +17,9 @@ from megatron_lora_patch.lora.config import LoraConfig
 PATCHES = ("cpu_compat", "lora_linear", "lora_checkpoint")
 
 
-def lora_config(seed: int, rank: int = 4) -> LoraConfig:
-    """Non-zero B so a wrong slice of either factor changes values."""
-    return LoraConfig(rank=rank, alpha=8.0, b_init="nonzero", seed=seed)
+def lora_config(seed: int, rank: int = 4, **options) -> LoraConfig:
+    """Non-zero B so a wrong slice of either factor changes values; `options`: more LoraConfig fields."""
+    return LoraConfig(rank=rank, alpha=8.0, b_init="nonzero", seed=seed, **options)
 
 
 def setup(config: LoraConfig, patches=PATCHES) -> None:
@@ -169,14 +169,15 @@ def full_logits(model, spec) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def export_and_merge_world(rank: int, world: int, topology: str, spec, seed: int, directory: str) -> dict:
-    """Logits with adapters, an adapter-only checkpoint, then logits merged / unmerged and the weight drift."""
+def export_and_merge_world(rank: int, world: int, topology: str, spec, seed: int, directory: str, options=None) -> dict:
+    """Logits with adapters, an adapter-only checkpoint, then logits merged / unmerged and the weight drift
+    (`options`: LoraConfig fields beyond the defaults, e.g. rsLoRA and rank / alpha patterns)."""
     from megatron_lora_patch.lora.checkpoint import save_adapters
     from megatron_lora_patch.lora.merge import merge_adapters, unmerge_adapters
     from megatron_lora_patch.testing.models import build_model
     from megatron_lora_patch.testing.topology import Topology
 
-    setup(lora_config(seed))
+    setup(lora_config(seed, **(options or {})))
     with Topology.parse(topology).world():
         chunks = build_model(spec, Topology.parse(topology))
         model = chunks[0]
@@ -196,14 +197,14 @@ def export_and_merge_world(rank: int, world: int, topology: str, spec, seed: int
         }
 
 
-def import_and_save_world(rank: int, world: int, topology: str, spec, peft_dir: str, directory: str) -> List[dict]:
-    """Import a PEFT adapter into fresh adapters (another seed) and write an adapter-only checkpoint."""
+def import_and_save_world(rank: int, world: int, topology: str, spec, peft_dir: str, directory: str, options=None) -> List[dict]:
+    """Import a PEFT adapter into fresh adapters (another seed; `options` as when exported) and write an adapter-only checkpoint."""
     from megatron_lora_patch.lora.checkpoint import save_adapters
     from megatron_lora_patch.lora.exchange import import_peft
     from megatron_lora_patch.testing.models import build_model
     from megatron_lora_patch.testing.topology import Topology
 
-    setup(lora_config(999))
+    setup(lora_config(999, **(options or {})))
     with Topology.parse(topology).world():
         chunks = build_model(spec, Topology.parse(topology))
         import_peft(chunks, peft_dir)

@@ -66,7 +66,7 @@ def test_bad_value_stops_activation(variable, value, message):
     assert_one_line_error(run_fresh(["-c", ACTIVATE], **{variable: value}), message)
 
 
-ACCEPTED_KEYS = "rank, alpha, dropout, targets, exclude, init, b_init, seed, sp_input"
+ACCEPTED_KEYS = "rank, alpha, dropout, targets, exclude, init, b_init, seed, sp_input, rslora, rank_pattern, alpha_pattern"
 
 # name -> (file name, content or None for no file, the message with {path} for the file's path)
 CONFIG_FILE_ERRORS = {
@@ -88,7 +88,7 @@ CONFIG_FILE_ERRORS = {
     "nested_table": (
         "nested.toml",
         "[lora]\nrank = 8\n",
-        f"MEGATRON_LORA_CONFIG ({{path}}): unknown key 'lora'; accepted keys: {ACCEPTED_KEYS}",
+        f"MEGATRON_LORA_CONFIG ({{path}}): unknown key 'lora' (did you mean 'rslora'?); accepted keys: {ACCEPTED_KEYS}",
     ),
     "top_level_list": ("list.json", "[1]", "MEGATRON_LORA_CONFIG ({path}): the top level must be a table of settings, got list"),
     "bad_rank": ("rank.toml", "rank = -2\n", "rank in {path} must be a positive integer, got -2"),
@@ -254,6 +254,9 @@ def test_plugin_declares_every_variable_it_reads():
         "MEGATRON_LORA_B_INIT",
         "MEGATRON_LORA_SEED",
         "MEGATRON_LORA_SP_INPUT",
+        "MEGATRON_LORA_RSLORA",
+        "MEGATRON_LORA_RANK_PATTERN",
+        "MEGATRON_LORA_ALPHA_PATTERN",
     ]
 
 

@@ -4,14 +4,19 @@ A TP2 model (GQA, SwiGLU) with non-zero adapters writes an adapter-only checkpoi
 `export` CLI turns it into a PEFT adapter; `peft` loads it into a `LlamaForCausalLM`
 holding the same base weights, and its logits must equal the Megatron forward (fp32).
 The PEFT adapter is then imported on PP2, saved and exported again: identical bytes.
+Each runs twice: with the default settings, and with rsLoRA plus per-module ranks and alphas
+(PEFT's `use_rslora`, `rank_pattern`, `alpha_pattern`). peft loads the export without warning
+about unknown config keys (our metadata sits in its own file).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -26,6 +31,20 @@ import persistence_worker as worker
 SPEC = TinyGPTSpec()  # 4 heads in 2 query groups (GQA), SwiGLU, RoPE, RMSNorm, untied embeddings
 LOGITS_TOLERANCE = 1e-5  # max-abs error relative to the largest logit, fp32
 EXPORT_SEED = 21
+# LoraConfig options of each run, the PEFT config fields they must become, and config changes
+# that must move peft's logits far off (negative controls).
+VARIANTS = {
+    "defaults": ({}, {"use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}}, [{"lora_alpha": 16.0}]),
+    "rslora_patterns": (
+        {"rslora": True, "rank_pattern": {"linear_fc1": 2, "linear_fc2": 2}, "alpha_pattern": {"linear_proj": 4.0}},
+        {
+            "use_rslora": True,
+            "rank_pattern": {"gate_proj": 2, "up_proj": 2, "down_proj": 2},
+            "alpha_pattern": {"o_proj": 4.0},
+        },
+        [{"alpha_pattern": {}}, {"use_rslora": False}],
+    ),
+}
 
 
 def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -33,17 +52,28 @@ def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "megatron_lora_patch", *args], cwd=cwd, capture_output=True, text=True)
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def exported(request, tmp_path_factory):
     """TP2 run: Megatron logits (adapted / merged / unmerged), its checkpoint, and the CLI's PEFT export."""
-    root = tmp_path_factory.mktemp("peft")
+    options, peft_fields, controls = VARIANTS[request.param]
+    root = tmp_path_factory.mktemp(f"peft-{request.param}")
     checkpoint, peft_dir = str(root / "checkpoint"), str(root / "peft")
     results = run_world(
-        worker.export_and_merge_world, 2, args=("tp2", SPEC, EXPORT_SEED, checkpoint), name="tp2", timeout=240
+        worker.export_and_merge_world, 2, args=("tp2", SPEC, EXPORT_SEED, checkpoint, options), name="tp2", timeout=240
     )
     done = _cli("export", "--checkpoint", checkpoint, "--out", peft_dir, cwd=root)
     assert done.returncode == 0, done.stderr
-    return {"root": root, "checkpoint": checkpoint, "peft": peft_dir, "ranks": results}
+    return {"root": root, "checkpoint": checkpoint, "peft": peft_dir, "ranks": results, "options": options, "fields": peft_fields,
+            "controls": controls}
+
+
+def _unexpected_key_warnings(peft_dir: str) -> list:
+    from peft import PeftConfig
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PeftConfig.from_pretrained(peft_dir)
+    return [str(w.message) for w in caught if "Unexpected keyword" in str(w.message)]
 
 
 def test_peft_loads_export_and_matches_megatron_logits(exported):
@@ -56,7 +86,10 @@ def test_peft_loads_export_and_matches_megatron_logits(exported):
     base = hf_llama.llama_for(SPEC, DEFAULT_SEED)
     with torch.no_grad():
         base_logits = base(tokens).logits
-    model = PeftModel.from_pretrained(base, exported["peft"]).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = PeftModel.from_pretrained(base, exported["peft"]).eval()
+    assert not [str(w.message) for w in caught if "Unexpected keyword" in str(w.message)]
     with torch.no_grad():
         peft_logits = model(tokens).logits
     assert max_abs_error_over_max(peft_logits, megatron_logits) <= LOGITS_TOLERANCE
@@ -66,6 +99,41 @@ def test_peft_loads_export_and_matches_megatron_logits(exported):
         config = json.load(handle)
     assert config["r"] == 4 and config["lora_alpha"] == 8.0
     assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    assert {field: config[field] for field in exported["fields"]} == exported["fields"]
+    assert "megatron_lora_patch" not in config
+
+
+def test_peft_config_fields_decide_the_logits(exported, tmp_path):
+    """Negative controls: the same tensors with one PEFT config field changed (lora_alpha;
+    alpha_pattern dropped, use_rslora off) give logits far from Megatron's, so the match above
+    needs every field right."""
+    from peft import PeftModel
+
+    import hf_llama
+
+    tokens, _ = worker.batch(SPEC)
+    config = json.loads(open(os.path.join(exported["peft"], peft_format.CONFIG_NAME)).read())
+    for index, change in enumerate(exported["controls"]):
+        broken = tmp_path / f"control{index}"
+        shutil.copytree(exported["peft"], broken)
+        (broken / peft_format.CONFIG_NAME).write_text(json.dumps({**config, **change}))
+        model = PeftModel.from_pretrained(hf_llama.llama_for(SPEC, DEFAULT_SEED), str(broken)).eval()
+        with torch.no_grad():
+            logits = model(tokens).logits
+        assert max_abs_error_over_max(logits, exported["ranks"][0]["adapted"]) > 100 * LOGITS_TOLERANCE, change
+
+
+def test_peft_warns_only_about_the_old_embedded_metadata(exported, tmp_path):
+    """The export loads without an "Unexpected keyword" warning; the previous layout (our key
+    inside adapter_config.json) does warn, and our import still reads it."""
+    assert _unexpected_key_warnings(exported["peft"]) == []
+    old = tmp_path / "old-layout"
+    shutil.copytree(exported["peft"], old)
+    os.remove(old / peft_format.METADATA_NAME)
+    config = json.loads((old / peft_format.CONFIG_NAME).read_text())
+    (old / peft_format.CONFIG_NAME).write_text(json.dumps({**config, "megatron_lora_patch": {"family": "qwen2"}}))
+    assert len(_unexpected_key_warnings(str(old))) == 1
+    assert peft_format.read(str(old))[2] == "qwen2"
 
 
 def test_merge_equals_adapter_forward_and_unmerge_restores(exported):
@@ -80,15 +148,14 @@ def test_import_on_pp2_then_export_gives_identical_bytes(exported):
     from megatron_lora_patch.lora.exchange import export_peft
 
     checkpoint, again = str(exported["root"] / "reimported"), str(exported["root"] / "peft-again")
-    results = run_world(
-        worker.import_and_save_world, 2, args=("pp2", SPEC, exported["peft"], checkpoint), name="pp2", timeout=240
-    )
+    args = ("pp2", SPEC, exported["peft"], checkpoint, exported["options"])
+    results = run_world(worker.import_and_save_world, 2, args=args, name="pp2", timeout=240)
     logical = worker.assemble(results)
-    expected = worker.expected_logical(SPEC, worker.lora_config(EXPORT_SEED))
+    expected = worker.expected_logical(SPEC, worker.lora_config(EXPORT_SEED, **exported["options"]))
     assert len(expected) == 4 * SPEC.num_layers and set(logical) == set(expected), sorted(set(logical) ^ set(expected))
     assert all(all(map(torch.equal, logical[name], expected[name])) for name in expected)
     export_peft(checkpoint, again)
-    for name in (peft_format.WEIGHTS_NAME, peft_format.CONFIG_NAME):
+    for name in (peft_format.WEIGHTS_NAME, peft_format.CONFIG_NAME, peft_format.METADATA_NAME):
         with open(os.path.join(exported["peft"], name), "rb") as first, open(os.path.join(again, name), "rb") as second:
             assert first.read() == second.read(), name
 

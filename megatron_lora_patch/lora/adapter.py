@@ -53,8 +53,9 @@ class LoraAdapter(torch.nn.Module):
         self.parallel_mode = parallel_mode
         self.module_name = module_name
         self.expert_index = expert_index
-        self.rank = config.rank
-        self.scale = config.scale
+        self.lora_config = config  # the settings it was built from (checkpoint descriptions read them)
+        self.rank = config.rank_for(module_name)  # rank_pattern / alpha_pattern / rsLoRA decide per module
+        self.scale = config.scale_for(module_name)
         self.dropout = config.dropout
         self.sp_input = config.sp_input
         self.tp_group = layer.tp_group

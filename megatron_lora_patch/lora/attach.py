@@ -23,7 +23,6 @@ index over its full range, the output layer on the other stages).
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import itertools
 import logging
 import re
@@ -32,7 +31,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from .adapter import LoraAdapter
-from .config import DEFAULT_TARGETS, LoraConfig, LoraConfigError, active_with_labels, code_labels
+from .config import PATTERN_FIELDS, DEFAULT_TARGETS, LoraConfig, LoraConfigError, active_with_labels, code_labels
+from .config import module_matches as _matches
 from .megatron_checkpoint import remember
 from .metadata import ADAPTER_NAME, adapter_info
 from .unsupported import refuse_unsupported
@@ -82,11 +82,6 @@ def _linear_kind(module: torch.nn.Module) -> Optional[Tuple[str, bool, bool]]:
     return (*te_kind, True) if te_kind else None
 
 
-def _matches(name: str, patterns: tuple) -> bool:
-    short = name.rsplit(".", 1)[-1]
-    return any(pattern == short or fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
-
-
 _INDEX = re.compile(r"(?<=layers\.)\d+|(?<=local_experts\.)\d+")
 
 
@@ -123,8 +118,10 @@ def _layer_list(names: List[str]) -> str:
     return (", ".join(shorts) or "(none)") + example
 
 
-def _check_entries(model: torch.nn.Module, names: List[str], entries: tuple, label: str) -> None:
-    """Every entry matches a linear layer here or elsewhere in the whole model, else a typo."""
+def _check_entries(
+    model: torch.nn.Module, names: List[str], entries: tuple, label: str, what: str = "linear layer"
+) -> None:
+    """Every entry matches a `what` (one of `names`) here or elsewhere in the whole model, else a typo."""
     whole: Optional[set] = None
     for entry in entries:
         if any(_matches(name, (entry,)) for name in names):
@@ -136,8 +133,8 @@ def _check_entries(model: torch.nn.Module, names: List[str], entries: tuple, lab
         close = [] if is_glob else difflib.get_close_matches(entry, _short_names(names) + sorted(whole), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise LoraConfigError(
-            f"{label} entry {entry!r} matches no linear layer of the model{hint}; "
-            f"linear layers: {_layer_list(names)}"
+            f"{label} entry {entry!r} matches no {what} of the model{hint}; "
+            f"{what}s: {_layer_list(names)}"
         )
 
 
@@ -154,6 +151,7 @@ def _select(model: torch.nn.Module, names: List[str], config: LoraConfig, labels
     targeted = [name for name in names if _matches(name, config.targets)]
     selected = [name for name in targeted if not _matches(name, config.exclude)]
     if selected or any(adapter_info(p) for p in model.parameters()):
+        _check_patterns(model, selected, config, labels)
         return selected
     if targeted:
         raise LoraConfigError(
@@ -164,6 +162,30 @@ def _select(model: torch.nn.Module, names: List[str], config: LoraConfig, labels
         f"{_setting(labels['targets'], config.targets)} selects no linear layer of this model chunk, so its "
         f"rank would train nothing; add one of its layers: {_layer_list(names)}"
     )
+
+
+def _check_patterns(model: torch.nn.Module, selected: List[str], config: LoraConfig, labels: dict) -> None:
+    """Every rank / alpha pattern entry matches an adapted layer; the rank is the same on every
+    layer and expert of one module kind (adapter checkpoints stack them into one tensor)."""
+    for field in PATTERN_FIELDS:
+        entries = tuple(key for key, _ in getattr(config, field))
+        _check_entries(model, selected, entries, labels[field], what="adapted layer")
+    if not config.rank_pattern:
+        return
+    whole = [
+        name
+        for name in sorted(_whole_model_names(model, selected))
+        if _matches(name, config.targets) and not _matches(name, config.exclude)
+    ]
+    kinds: Dict[str, str] = {}
+    for name in whole:
+        first = kinds.setdefault(_INDEX.sub("*", name), name)
+        if config.rank_for(first) != config.rank_for(name):
+            raise LoraConfigError(
+                f"{labels['rank_pattern']} gives {first} rank {config.rank_for(first)} but {name} rank "
+                f"{config.rank_for(name)}; ranks may differ between module kinds, not between layers or "
+                "experts of one kind (adapter checkpoints stack them); use patterns without layer or expert indices"
+            )
 
 
 def _out_stride(name: str, parent: torch.nn.Module) -> int:
@@ -215,11 +237,12 @@ def attach_adapters(model: torch.nn.Module, config: Optional[LoraConfig] = None)
             continue
         adapters = []
         for adapter_name, adapter_expert, geometry in _adapter_specs(name, kind, expert_index, module, parent):
-            smallest = min(geometry.input_size, geometry.output_size)
-            if config.rank > smallest:
+            smallest, rank = min(geometry.input_size, geometry.output_size), config.rank_for(adapter_name)
+            if rank > smallest:
+                setting = labels["rank_pattern"] if rank != config.rank else labels["rank"]
                 raise LoraConfigError(
-                    f"LoRA rank {config.rank} exceeds {name} (in {geometry.input_size}, out "
-                    f"{geometry.output_size}); set {labels['rank']} <= {smallest}"
+                    f"LoRA rank {rank} exceeds {name} (in {geometry.input_size}, out "
+                    f"{geometry.output_size}); set {setting} <= {smallest}"
                 )
             adapters.append(
                 LoraAdapter(
@@ -235,7 +258,8 @@ def attach_adapters(model: torch.nn.Module, config: Optional[LoraConfig] = None)
         module.add_module(ADAPTER_NAME, torch.nn.ModuleList(adapters) if grouped else adapters[0])
     freeze_base(model)
     remember(model)
-    logger.info("LoRA: %d adapters (rank %d, scale %g)", len(selected), config.rank, config.scale)
+    logger.info("LoRA: %d adapters (rank %d, scale %g, patterns %s)", len(selected), config.rank, config.scale,
+                {field: getattr(config, field) for field in PATTERN_FIELDS})
     return selected
 
 

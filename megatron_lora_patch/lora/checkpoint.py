@@ -168,8 +168,7 @@ def describe(chunks: Iterable[torch.nn.Module]) -> Dict[str, Any]:
         raise AdapterCheckpointError("the model has no LoRA adapters to save; attach them first (lora_linear patch)")
     return {
         "format": DESCRIPTION_FORMAT,
-        "rank": adapters[0].rank,
-        "alpha": adapters[0].scale * adapters[0].rank,
+        **adapters[0].lora_config.description(),  # rank, alpha, rslora, rank_pattern, alpha_pattern
         "targets": sorted({adapter.module_name.rsplit(".", 1)[-1] for adapter in adapters}),
         "layout": LAYOUT,
         "num_layers": config.num_layers,

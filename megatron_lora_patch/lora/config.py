@@ -19,18 +19,27 @@ value the user set is a mistake either way. A bad value is a `LoraConfigError` (
 `UsageError`: one line naming the variable, the value and what is accepted). The parsed
 configuration is cached, so the model build uses exactly what was validated. An empty
 (or blank) variable means unset, as for the runtime's flags.
+
+Per-module rank and alpha (PEFT's `rank_pattern` / `alpha_pattern`): `MEGATRON_LORA_RANK_PATTERN=
+'linear_fc1=8,linear_fc2=8'` (a TOML / JSON table in the config file) maps a pattern, matched
+like a target entry (a module's last name component, or an fnmatch glob over its canonical
+qualified name), to that module's rank (alpha); the first matching entry wins, as in PEFT, and
+a module no entry matches uses `rank` (`alpha`). `MEGATRON_LORA_RSLORA=1` scales by
+alpha / sqrt(r) instead of alpha / r (rsLoRA, PEFT's `use_rslora`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import json
 import math
 import os
 from typing import Any, Callable, Mapping, Optional
 
 from megatron_lora_patch.errors import UsageError
+from megatron_lora_patch.flags import ACCEPTED_BOOLEANS, parse_bool
 
 ENV_PREFIX = "MEGATRON_LORA_"
 CONFIG_FILE_VARIABLE = ENV_PREFIX + "CONFIG"
@@ -38,6 +47,7 @@ DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 INIT_CHOICES = ("kaiming", "gaussian")
 B_INIT_CHOICES = ("zero", "nonzero")
 SP_INPUT_CHOICES = ("keep", "regather")
+PATTERN_FIELDS = ("rank_pattern", "alpha_pattern")
 
 
 class LoraConfigError(UsageError, ValueError):
@@ -58,15 +68,49 @@ class LoraConfig:
     b_init: str = "zero"  # "nonzero" draws B like A (tests need a non-zero delta)
     seed: int = 0
     sp_input: str = "keep"
+    rslora: bool = False  # scale alpha / sqrt(r) (PEFT use_rslora) instead of alpha / r
+    # ((pattern, value), ...): the first entry matching a module (like a target) sets its rank / alpha
+    rank_pattern: tuple = ()
+    alpha_pattern: tuple = ()
 
     def __post_init__(self) -> None:
+        for name in PATTERN_FIELDS:  # a mapping, or JSON's list of pairs, as a tuple of pairs in order
+            object.__setattr__(self, name, _as_pairs(name, getattr(self, name)))
         for field in dataclasses.fields(self):
             _check(field.name, getattr(self, field.name), f"LoraConfig.{field.name}")
 
     @property
     def scale(self) -> float:
-        """The LoRA scaling s = alpha / r."""
-        return self.alpha / self.rank
+        """The LoRA scaling of a module no pattern matches: alpha / r (alpha / sqrt(r) for rsLoRA)."""
+        return _scaling(self.alpha, self.rank, self.rslora)
+
+    def rank_for(self, module: str) -> int:
+        """The rank of the adapter of `module` (canonical name): the first matching rank_pattern entry, else `rank`."""
+        return _first_match(self.rank_pattern, module, self.rank)
+
+    def alpha_for(self, module: str) -> float:
+        """The alpha of the adapter of `module`: the first matching alpha_pattern entry, else `alpha`."""
+        return _first_match(self.alpha_pattern, module, self.alpha)
+
+    def scale_for(self, module: str) -> float:
+        """The scaling of the adapter of `module` (its own rank and alpha)."""
+        return _scaling(self.alpha_for(module), self.rank_for(module), self.rslora)
+
+    def description(self) -> dict:
+        """The fields an exporter needs, as plain JSON data (`from_description` reads them back)."""
+        return {
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "rslora": self.rslora,
+            "rank_pattern": [list(pair) for pair in self.rank_pattern],
+            "alpha_pattern": [list(pair) for pair in self.alpha_pattern],
+        }
+
+    @classmethod
+    def from_description(cls, description: Mapping[str, Any]) -> "LoraConfig":
+        """The rank / alpha settings of a checkpoint description (older ones have no rsLoRA or patterns)."""
+        keys = ("rank", "alpha", "rslora", "rank_pattern", "alpha_pattern")
+        return cls(**{key: description[key] for key in keys if key in description})
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "LoraConfig":
@@ -134,6 +178,31 @@ def code_labels() -> dict:
     return {name: f"LoraConfig.{name}" for name in _RULES}
 
 
+def module_matches(name: str, patterns: Any) -> bool:
+    """A target / exclude / pattern entry matches a module whose last name component equals it,
+    or whose canonical qualified name matches it as an fnmatch glob."""
+    short = name.rsplit(".", 1)[-1]
+    return any(pattern == short or fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def _as_pairs(name: str, value: Any) -> Any:
+    """A mapping or a sequence of 2-item sequences as a tuple of (pattern, value) pairs, alphas
+    as floats; anything else is returned as is, for the field's check to refuse."""
+    items = list(value.items()) if isinstance(value, Mapping) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, (list, tuple)) and len(i) == 2 for i in items):
+        return value
+    as_float = name == "alpha_pattern"
+    return tuple((key, float(number) if as_float and _number(number) else number) for key, number in items)
+
+
+def _first_match(pattern: tuple, module: str, default: Any) -> Any:
+    return next((value for key, value in pattern if module_matches(module, (key,))), default)
+
+
+def _scaling(alpha: float, rank: int, rslora: bool) -> float:
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
 def _split_names(text: str) -> tuple:
     names = tuple(part.strip() for part in text.split(",") if part.strip())
     if not names:
@@ -153,6 +222,33 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _pattern_parser(value_type: Callable[[str], Any]) -> Callable[[str], tuple]:
+    """'pattern=value,pattern=value' -> ((pattern, value), ...)."""
+
+    def parse(text: str) -> tuple:
+        pairs = []
+        for entry in _split_names(text):
+            key, equals, value = entry.partition("=")
+            if not equals or not key.strip():
+                raise ValueError(text)
+            pairs.append((key.strip(), value_type(value.strip())))
+        return tuple(pairs)
+
+    return parse
+
+
+def _pattern(value: Any, check_value: Callable[[Any], bool]) -> bool:
+    return isinstance(value, tuple) and all(
+        isinstance(pair, tuple) and len(pair) == 2 and _names((pair[0],), allow_empty=False)
+        and "=" not in pair[0] and check_value(pair[1])
+        for pair in value
+    ) and len({pair[0] for pair in value}) == len(value)
+
+
+def _positive_finite(value: Any) -> bool:
+    return _number(value) and 0 < value < math.inf
+
+
 def _names(value: Any, allow_empty: bool) -> bool:
     return (
         isinstance(value, tuple)
@@ -164,7 +260,7 @@ def _names(value: Any, allow_empty: bool) -> bool:
 # field -> (requirement sentence, string parser, typed-value check)
 _RULES: dict = {
     "rank": ("a positive integer", int, _positive_int),
-    "alpha": ("a positive finite number", float, lambda v: _number(v) and 0 < v < math.inf),
+    "alpha": ("a positive finite number", float, _positive_finite),
     "dropout": ("a number in [0, 1)", float, lambda v: _number(v) and 0 <= v < 1),
     "targets": (
         "a non-empty comma-separated list of module names or glob patterns",
@@ -180,6 +276,18 @@ _RULES: dict = {
     "b_init": ("one of " + ", ".join(B_INIT_CHOICES), str.strip, lambda v: v in B_INIT_CHOICES),
     "seed": ("a non-negative integer", int, _non_negative_int),
     "sp_input": ("one of " + ", ".join(SP_INPUT_CHOICES), str.strip, lambda v: v in SP_INPUT_CHOICES),
+    "rslora": ("one of " + ACCEPTED_BOOLEANS, lambda text: parse_bool("rslora", text), lambda v: isinstance(v, bool)),
+    "rank_pattern": (
+        "comma-separated pattern=rank entries (positive integer ranks, each pattern once), "
+        "e.g. 'linear_fc1=8,linear_fc2=8'",
+        _pattern_parser(int),
+        lambda v: _pattern(v, _positive_int),
+    ),
+    "alpha_pattern": (
+        "comma-separated pattern=alpha entries (positive numbers, each pattern once), e.g. 'linear_fc1=16'",
+        _pattern_parser(float),
+        lambda v: _pattern(v, _positive_finite),
+    ),
 }
 
 
@@ -231,6 +339,7 @@ def _read_config_file(path: str) -> dict:
             values[key] = _parse(key, value, label)
         else:
             typed = tuple(value) if isinstance(value, list) else value
+            typed = _as_pairs(key, value) if key in PATTERN_FIELDS else typed
             typed = float(typed) if key in ("alpha", "dropout") and _number(typed) else typed
             if not _RULES[key][2](typed):
                 raise _fail(key, value, label)  # the value as written in the file

@@ -83,7 +83,7 @@ def export_peft(
     with staging.staged(out_dir, names.out) as partial:
         description, logical = logical_from_checkpoint(checkpoint_dir)
         tensors, config = peft.to_peft(logical, description, family)
-        peft.write(partial, tensors, config)
+        peft.write(partial, tensors, config, family)
     return tensors
 
 
@@ -137,8 +137,8 @@ def import_peft(chunks: Iterable[torch.nn.Module], peft_dir: str) -> None:
     chunks = list(chunks)
     description = checkpoint.describe(chunks)
     local = checkpoint.adapters_of(chunks)
-    tensors, config = peft.read(peft_dir)
-    logical = peft.from_peft(tensors, config, description, _all_adapter_names(local), where=peft_dir)
+    tensors, config, family = peft.read(peft_dir)
+    logical = peft.from_peft(tensors, config, description, _all_adapter_names(local), where=peft_dir, family=family)
     peft.check_shapes(
         {name: logical[name] for name in local}, {name: _logical_shapes(a) for name, a in local.items()}, peft_dir
     )

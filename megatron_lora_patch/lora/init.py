@@ -41,13 +41,13 @@ def logical_factors(
     in_features: int,
     out_features: int,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The logical float32 CPU factors `(A: r x in, B: out x r)` of one adapted module.
+    """The logical float32 CPU factors `(A: r x in, B: out x r)` of one adapted module (r: its own rank).
 
     A: Kaiming-uniform with a=sqrt(5) on the FULL fan-in `in_features` (bound
     1/sqrt(in), what torch.nn.Linear uses), or Gaussian with std 1/r. B: zeros, or
     for `b_init="nonzero"` Kaiming-uniform on its own fan-in r (bound 1/sqrt(r)).
     """
-    rank = config.rank
+    rank = config.rank_for(module_name)
     a_seed = factor_seed(config.seed, module_name, expert_index, "A")
     if config.init == "kaiming":
         lora_a = _uniform((rank, in_features), 1.0 / math.sqrt(in_features), a_seed)

@@ -12,9 +12,15 @@ onto this rank's adapters (any topology). Conversion, per transformer layer i:
 | mlp.linear_fc1 (SwiGLU)    | mlp.gate_proj, up_proj                      | B rows [gate; up] split; A copied |
 | mlp.linear_fc2             | mlp.down_proj                               | as is                         |
 
-PEFT's scaling `lora_alpha / r` is the adapter's `s = alpha / r`. Import refuses what a
-fused Megatron adapter cannot express (different A for q/k/v or gate/up, other shapes,
-missing or unknown modules, another r or alpha, rsLoRA / DoRA / biases), naming the module.
+PEFT's scaling `lora_alpha / r` (`lora_alpha / sqrt(r)` with `use_rslora`) is the adapter's
+`s`; per-module ranks and alphas travel as PEFT's `rank_pattern` / `alpha_pattern` (keys are
+regexes matched against the end of a module path, the first matching key wins): export writes a
+projection name (`gate_proj`) when every layer shares the value, else full module paths.
+Import refuses what a fused Megatron adapter cannot express (different A, r or alpha for
+q/k/v or gate/up, other shapes, missing or unknown modules, another r, alpha or rsLoRA
+setting than the model's adapters, DoRA / biases), naming the module.
+`adapter_config.json` holds only PEFT's own fields (peft warns about any other key); this
+package's metadata (the model family) sits beside it in `megatron_lora_patch.json`.
 Megatron experts are refused: PEFT has no per-expert layout for them (transformers keeps
 MoE experts as fused tensors, not per-expert linears).
 """
@@ -25,16 +31,19 @@ import dataclasses
 import json
 import os
 import re
-from typing import Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from megatron_lora_patch.errors import UsageError
 
 from . import layouts
+from .config import LoraConfig
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
+METADATA_NAME = "megatron_lora_patch.json"  # our own fields, kept out of PEFT's config
+LEGACY_METADATA_KEY = "megatron_lora_patch"  # where versions up to 0.x embedded them in the PEFT config
 PEFT_PREFIX = "base_model.model."
 
 Logical = Dict[str, Tuple[torch.Tensor, torch.Tensor]]  # canonical module name -> (A, B)
@@ -123,10 +132,12 @@ def _parse(name: str) -> Tuple[int, str]:
 
 
 def to_peft(logical: Logical, description: dict, family: str = "llama") -> Tuple[Dict[str, torch.Tensor], dict]:
-    """PEFT tensors (sorted by name, contiguous) and adapter config for the logical adapters."""
+    """PEFT tensors (sorted by name, contiguous) and adapter config (PEFT fields only) for the logical adapters."""
     names = names_for(family)
+    settings = LoraConfig.from_description(description)
     tensors: Dict[str, torch.Tensor] = {}
-    short_names, paths = set(), []
+    ranks: Dict[str, int] = {}
+    alphas: Dict[str, float] = {}
     layer_modules: Dict[str, set] = {}
     for name, (lora_a, lora_b) in logical.items():
         layer, module = _parse(name)
@@ -136,36 +147,68 @@ def to_peft(logical: Logical, description: dict, family: str = "llama") -> Tuple
             # A copy per projection: PEFT has one A per module, safetensors refuses shared storage.
             tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"] = lora_a.clone().contiguous()
             tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = part.contiguous()
-            short_names.add(projection.rsplit(".", 1)[-1])
+            ranks[path], alphas[path] = int(lora_a.shape[0]), float(settings.alpha_for(name))
             layer_modules.setdefault(projection, set()).add(layer)
-            paths.append(path)
     every_layer = set(range(description["num_layers"]))
     # Short names adapt every layer in PEFT; list full paths when some layers have no adapter.
     complete = all(layers == every_layer for layers in layer_modules.values())
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "r": description["rank"],
-        "lora_alpha": description["alpha"],
+        "r": settings.rank,
+        "lora_alpha": settings.alpha,
+        "rank_pattern": _pattern_keys(ranks, settings.rank),
+        "alpha_pattern": _pattern_keys(alphas, settings.alpha),
         "lora_dropout": 0.0,
-        "target_modules": sorted(short_names) if complete else sorted(paths),
+        "target_modules": sorted({_short(path) for path in ranks} if complete else set(ranks)),
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": False,
+        "use_rslora": settings.rslora,
         "use_dora": False,
         "inference_mode": True,
         "base_model_name_or_path": None,
-        "megatron_lora_patch": {"family": family},
     }
     return dict(sorted(tensors.items())), config
 
 
+def _short(path: str) -> str:
+    return path.rsplit(".", 1)[-1]
+
+
+def _pattern_keys(values: Dict[str, Any], default: Any) -> Dict[str, Any]:
+    """PEFT pattern keys for the module paths whose value differs from `default`: the projection
+    name when all its paths share one value, else each differing path in full."""
+    by_projection: Dict[str, List[str]] = {}
+    for path in values:
+        by_projection.setdefault(_short(path), []).append(path)
+    pattern: Dict[str, Any] = {}
+    for projection, paths in sorted(by_projection.items()):
+        distinct = {values[path] for path in paths}
+        if distinct == {default}:
+            continue
+        if len(distinct) == 1:
+            pattern[projection] = distinct.pop()
+        else:
+            pattern.update({path: values[path] for path in sorted(paths) if values[path] != default})
+    return pattern
+
+
 def from_peft(
-    tensors: Dict[str, torch.Tensor], config: dict, description: dict, expected: Iterable[str], where: str = "PEFT adapter"
+    tensors: Dict[str, torch.Tensor],
+    config: dict,
+    description: dict,
+    expected: Iterable[str],
+    where: str = "PEFT adapter",
+    family: Optional[str] = None,
 ) -> Logical:
-    """The logical adapters of the modules named in `expected`, from PEFT tensors and config (exact inverse of `to_peft`)."""
+    """The logical adapters of the modules named in `expected`, from PEFT tensors and config
+    (exact inverse of `to_peft`).
+
+    `family`: from `megatron_lora_patch.json` (`read`); None reads the key older exports embedded in the config.
+    """
     _check_config(config, description, where)
-    family = (config.get("megatron_lora_patch") or {}).get("family", "llama")
+    if family is None:
+        family = (config.get(LEGACY_METADATA_KEY) or {}).get("family", "llama")
     names = names_for(family)
     layer_paths = {}
     for name in expected:
@@ -189,6 +232,7 @@ def from_peft(
                 if key not in tensors:
                     raise PeftFormatError(f"{where}: missing {key} (needed for Megatron {name})")
                 parts.append(tensors[key])
+        _check_scaling(config, description, name, paths, where)
         for path, a in zip(paths[1:], a_parts[1:]):
             if a.shape != a_parts[0].shape or not torch.equal(a, a_parts[0]):
                 raise PeftFormatError(
@@ -206,22 +250,63 @@ def from_peft(
 def _check_config(config: dict, description: dict, where: str) -> None:
     if config.get("peft_type") != "LORA":
         raise PeftFormatError(f"{where}: peft_type is {config.get('peft_type')!r}, only 'LORA' is supported")
-    for flag in ("use_rslora", "use_dora", "fan_in_fan_out"):
+    for flag in ("use_dora", "fan_in_fan_out"):
         if config.get(flag):
             raise PeftFormatError(f"{where}: {flag}=true is not supported by Megatron LoRA adapters")
     if config.get("bias", "none") != "none":
         raise PeftFormatError(f"{where}: bias={config['bias']!r} is not supported (LoRA adapters have no bias)")
-    if config.get("r") != description["rank"]:
+    rslora = bool(config.get("use_rslora"))
+    if rslora != LoraConfig.from_description(description).rslora:
         raise PeftFormatError(
-            f"{where}: r={config.get('r')} but the model's adapters have rank {description['rank']}; "
-            f"build them with MEGATRON_LORA_RANK={config.get('r')}"
+            f"{where}: use_rslora={str(rslora).lower()} but the model's adapters {'do not ' if rslora else ''}use "
+            f"rsLoRA; build them with MEGATRON_LORA_RSLORA={int(rslora)}"
         )
-    alpha = config.get("lora_alpha")
-    if not isinstance(alpha, (int, float)) or float(alpha) != float(description["alpha"]):
-        raise PeftFormatError(
-            f"{where}: lora_alpha={alpha} but the model's adapters have alpha {description['alpha']}; "
-            f"build them with MEGATRON_LORA_ALPHA={alpha}"
-        )
+    for field, value in (("r", config.get("r")), ("lora_alpha", config.get("lora_alpha"))):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise PeftFormatError(f"{where}: {field}={value!r} is not a positive number")
+    for field in ("rank_pattern", "alpha_pattern"):
+        pattern = config.get(field) or {}
+        if not isinstance(pattern, dict) or not all(isinstance(v, (int, float)) for v in pattern.values()):
+            raise PeftFormatError(f"{where}: {field} must map module patterns to numbers, got {pattern!r}")
+        for key in pattern:
+            try:
+                re.compile(key)
+            except re.error as error:
+                raise PeftFormatError(f"{where}: {field} key {key!r} is not a valid regex: {error}") from None
+
+
+def peft_pattern_value(pattern: Dict[str, Any], path: str, default: Any) -> Any:
+    """PEFT's per-module value: the first key whose regex matches the end of `path` at a name boundary."""
+    key = next((key for key in pattern if re.match(rf"(.*\.)?({key})$", path)), None)
+    return default if key is None else pattern[key]
+
+
+def _check_scaling(config: dict, description: dict, name: str, paths: List[str], where: str) -> None:
+    """The PEFT r and alpha of `paths` (the projections of Megatron `name`) are the model's for `name`."""
+    ranks = [peft_pattern_value(config.get("rank_pattern") or {}, path, config["r"]) for path in paths]
+    alphas = [peft_pattern_value(config.get("alpha_pattern") or {}, path, config["lora_alpha"]) for path in paths]
+    for values, field in ((ranks, "r"), (alphas, "lora_alpha")):
+        if len({float(value) for value in values}) > 1:
+            raise PeftFormatError(
+                f"{where}: {paths} have {field} {values}; the fused Megatron {name} has one adapter for all its "
+                "projections, so this adapter cannot be expressed"
+            )
+    model = LoraConfig.from_description(description)
+    for field, pattern_field, value, want, noun in (
+        ("r", "rank_pattern", ranks[0], model.rank_for(name), "rank"),
+        ("lora_alpha", "alpha_pattern", alphas[0], model.alpha_for(name), "alpha"),
+    ):
+        if float(value) != float(want):
+            pattern = config.get(pattern_field)
+            fix = (
+                f"MEGATRON_LORA_{pattern_field.upper()} matching {pattern_field} {pattern}"
+                if pattern
+                else f"MEGATRON_LORA_{noun.upper()}={value}"
+            )
+            raise PeftFormatError(
+                f"{where}: {field}={value} for {paths[0]} but the model's adapter {name} has {noun} {want}; "
+                f"build them with {fix}"
+            )
 
 
 def check_shapes(logical: Logical, shapes: Dict[str, Tuple[tuple, tuple]], where: str) -> None:
@@ -235,29 +320,43 @@ def check_shapes(logical: Logical, shapes: Dict[str, Tuple[tuple, tuple]], where
             )
 
 
-def write(out_dir: str, tensors: Dict[str, torch.Tensor], config: dict) -> None:
-    """Write `adapter_model.safetensors` and `adapter_config.json` (deterministic bytes)."""
+def write(out_dir: str, tensors: Dict[str, torch.Tensor], config: dict, family: str = "llama") -> None:
+    """Write `adapter_model.safetensors`, `adapter_config.json` and `megatron_lora_patch.json` (deterministic bytes)."""
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, CONFIG_NAME), "w") as handle:
-        json.dump(config, handle, indent=2, sort_keys=True)
-        handle.write("\n")
+    for name, data in ((CONFIG_NAME, config), (METADATA_NAME, {"family": family})):
+        with open(os.path.join(out_dir, name), "w") as handle:
+            json.dump(data, handle, indent=2, sort_keys=True)
+            handle.write("\n")
 
 
-def read(peft_dir: str) -> Tuple[Dict[str, torch.Tensor], dict]:
-    """PEFT tensors and config from a directory, or a one-line `PeftFormatError`."""
+def _load_json(path: str) -> Any:
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except ValueError as error:
+        raise PeftFormatError(f"{path}: invalid JSON: {error}") from None
+
+
+def read(peft_dir: str) -> Tuple[Dict[str, torch.Tensor], dict, str]:
+    """PEFT tensors, config and model family from a directory, or a one-line `PeftFormatError`.
+
+    The family comes from `megatron_lora_patch.json`, else from the key older exports embedded
+    in the config, else it is "llama" (an adapter written by peft itself).
+    """
     from safetensors.torch import load_file
 
     weights, config_path = os.path.join(peft_dir, WEIGHTS_NAME), os.path.join(peft_dir, CONFIG_NAME)
     for path in (weights, config_path):
         if not os.path.isfile(path):
             raise PeftFormatError(f"{peft_dir}: no {os.path.basename(path)}; expected a PEFT LoRA adapter directory")
-    try:
-        with open(config_path) as handle:
-            config = json.load(handle)
-    except ValueError as error:
-        raise PeftFormatError(f"{config_path}: invalid JSON: {error}") from None
-    return load_file(weights), config
-
+    config = _load_json(config_path)
+    metadata_path = os.path.join(peft_dir, METADATA_NAME)
+    if os.path.isfile(metadata_path):
+        metadata = _load_json(metadata_path)
+    else:
+        metadata = config.get(LEGACY_METADATA_KEY) if isinstance(config, dict) else None
+    family = metadata.get("family", "llama") if isinstance(metadata, dict) else "llama"
+    return load_file(weights), config, family

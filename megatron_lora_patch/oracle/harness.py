@@ -59,6 +59,8 @@ class OracleSettings:
     tp_invariant: bool = False
     lora_rank: int = 4
     lora_alpha: float = 8.0
+    # More LoraConfig fields as (name, value) pairs, e.g. (("rslora", True), ("rank_pattern", {...}))
+    lora_options: tuple = ()
     timeout_s: float = 600.0
 
     def threshold(self, phase: str, step: int) -> Optional[float]:
@@ -120,6 +122,7 @@ def oracle_job(settings: OracleSettings, mutation: Optional[Mutation]):
     enable.update(mutation.patches if mutation else {})
     megatron_lora_patch.apply(plugins=["lora_correct"], enable=enable)
     lora = dict(rank=settings.lora_rank, alpha=settings.lora_alpha, b_init="nonzero", seed=settings.seed)
+    lora.update(dict(settings.lora_options))
     lora.update(mutation.lora if mutation else {})
     with mutation_installed(LoraConfig(**lora), mutation):
         yield

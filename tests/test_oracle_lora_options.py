@@ -1,0 +1,61 @@
+"""The oracle with rsLoRA and per-module ranks / alphas (issue 19): every default topology still
+equals world-1 when adapters differ in rank and scale per module, MoE experts included (experts at
+a lower rank than attention). The patterns really shape the adapters: read off the world-1 run.
+
+alpha 4 (not the oracle's 8) keeps rsLoRA's scale at the one the thresholds were measured at
+(alpha / sqrt(4) = 2 = 8 / 4, oracle/thresholds.py): at alpha 8 (scales 4 to 5.7) cp2's step-0
+grads measured 1.1e-4 (layer 0 qkv A, seed 1234; each option alone <= 6.3e-6; seed 7: 3e-3 at
+step 1, in its threshold) against the 1e-4 calibrated at scale 2. Floating-point noise grows
+with the scale; a layout or reduction error moves step 0 by >= 0.26 (thresholds.py).
+"""
+
+from __future__ import annotations
+
+from megatron_lora_patch.oracle import harness
+from megatron_lora_patch.oracle.command import DEFAULT_TOPOLOGIES
+from megatron_lora_patch.oracle.mutations import MUTATIONS
+from megatron_lora_patch.testing.topology import Topology
+
+DENSE_OPTIONS = (
+    ("rslora", True),
+    ("rank_pattern", (("linear_fc1", 2), ("linear_fc2", 2))),
+    ("alpha_pattern", (("linear_proj", 2.0),)),
+)
+MOE_OPTIONS = (("rslora", True), ("rank_pattern", (("*local_experts*", 2),)), ("alpha_pattern", (("linear_qkv", 2.0),)))
+ALPHA = 4.0
+MOE_TOPOLOGIES = tuple(t for t in DEFAULT_TOPOLOGIES if Topology.parse(t).ep > 1 or Topology.parse(t).etp > 1)
+DENSE_TOPOLOGIES = tuple(t for t in DEFAULT_TOPOLOGIES if t not in MOE_TOPOLOGIES)
+
+
+def _reference_ranks(settings: harness.OracleSettings) -> dict:
+    """Short module kind -> set of adapter ranks in the world-1 run of `settings`."""
+    (records, error), = harness._run_isolated([harness.make_job(Topology.parse("tp1"), settings)], timeout=600)
+    assert error is None, error
+    ranks: dict = {}
+    for name, shape in harness.adapter_shapes(records).items():
+        if name.endswith(".lora.A"):
+            kind = "expert" if "local_experts" in name else name.split(".")[-3]
+            ranks.setdefault(kind, set()).add(shape[0])
+    return ranks
+
+
+def _check(report, topologies) -> None:
+    """Every topology passes, and the negative control (a missing TP SUM) is caught by >= 100x."""
+    print(report.table())
+    assert report.passed and len(report.topologies) == len(topologies), report.table()
+    (mutation,) = report.mutations
+    assert mutation.caught and mutation.worst_ratio >= 100, report.table()
+
+
+def test_dense_topologies_match_world1_with_rslora_and_patterns():
+    settings = harness.OracleSettings(model="dense", lora_alpha=ALPHA, lora_options=DENSE_OPTIONS)
+    assert _reference_ranks(settings) == {"linear_qkv": {4}, "linear_proj": {4}, "linear_fc1": {2}, "linear_fc2": {2}}
+    report = harness.run_oracle(DENSE_TOPOLOGIES, [MUTATIONS["skip_tp_sum_row_b"]], settings=settings)
+    _check(report, DENSE_TOPOLOGIES)
+
+
+def test_moe_topologies_match_world1_with_experts_at_a_lower_rank():
+    settings = harness.OracleSettings(model="moe", lora_alpha=ALPHA, lora_options=MOE_OPTIONS)
+    assert _reference_ranks(settings) == {"linear_qkv": {4}, "linear_proj": {4}, "expert": {2}}
+    report = harness.run_oracle(MOE_TOPOLOGIES, [MUTATIONS["skip_expert_tp_sum"]], settings=settings)
+    _check(report, MOE_TOPOLOGIES)
