@@ -85,7 +85,7 @@ def rank_main(
         if "torch" in sys.modules:  # OMP_NUM_THREADS covers a later import; this covers an earlier one
             sys.modules["torch"].set_num_threads(1)
         result = fn(rank, world_size, *args, **kwargs)
-        message = ("ok", _dumps(result))
+        message = ("ok", dumps(result))
     except BaseException:
         message = ("error", traceback.format_exc())
     conn.send(message)
