@@ -142,7 +142,7 @@ def test_status_table_and_module_entry_point(installed_python):
     assert lines[0].split() == ["plugin", "patch", "tested", "megatron-core", "enabled", "fresh", "process", "this", "process"]
     shout = lines.index(next(line for line in lines if line.split()[:2] == ["demo", "demo_shout"]))
     assert lines[shout].split()[-4:] == ["on", "(default)", "applied", "applied"]
-    assert lines[shout + 1].strip() == "target demo_target"
+    assert lines[shout + 1].strip() == "target demo_target:greet"  # what its patcher recorded
     pth = installed_python.parent.parent / "lib"
     (hook_file,) = pth.glob("python3*/site-packages/megatron_lora_patch-init.pth")
     assert lines[-1] == f"start-up hook: installed at {hook_file} (ran in this process)"
