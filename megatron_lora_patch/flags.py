@@ -1,7 +1,7 @@
 """Environment flags of the runtime, parsed strictly: a bad value or an unknown name is one clear
 error (docs/fail-closed.md). An empty value means unset, for every variable.
 
-Precedence (DESIGN.md section 3): explicit API argument > environment > patch default.
+Precedence (docs/architecture.md section 3): explicit API argument > environment > patch default.
 """
 
 from __future__ import annotations

@@ -29,7 +29,10 @@ class PatchSpec:
     `hooks` maps each target module name to the function that patches it; the
     runtime calls a hook once that module is imported. `versions` is a PEP 440
     specifier of the Megatron-Core versions the patch is tested against (the range
-    CI runs). `flag` is derived from the name: `MEGATRON_LORA_PATCH_<NAME>`.
+    CI runs). Its environment flag is `flags.patch_variable(name)`.
+
+    What a patch really changed is what its `Patcher` recorded (`Patcher.targets`), which
+    `status` shows once applied; `targets` is only a hint shown before that.
     """
 
     name: str
@@ -37,15 +40,31 @@ class PatchSpec:
     hooks: Mapping[str, PatchHook]
     versions: str
     default: bool
-    targets: tuple[str, ...] = ()  # "module:Attr" strings for display; defaults to hook modules
-
-    @property
-    def flag(self) -> str:
-        return "MEGATRON_LORA_PATCH_" + self.name.upper()
+    targets: tuple[str, ...] = ()  # hint until applied; defaults to the hook modules
 
     @property
     def target_text(self) -> str:
         return ", ".join(self.targets or tuple(self.hooks))
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One attribute a `Patcher` changed: `original` is what revert puts back (`had_own`
+    False: the attribute was not in `owner`'s own namespace, so revert deletes it)."""
+
+    owner: Any
+    attribute: str
+    original: Any
+    had_own: bool
+    wrapped: bool  # True: `Patcher.wrap`; False: `Patcher.replace`
+
+    @property
+    def target(self) -> str:
+        """`module:Class.attribute` or `module:attribute`, the form `status` prints."""
+        module = getattr(self.owner, "__module__", None) if isinstance(self.owner, type) else None
+        if module is not None:
+            return f"{module}:{self.owner.__qualname__}.{self.attribute}"
+        return f"{_describe(self.owner)}:{self.attribute}"
 
 
 class Patcher:
@@ -53,18 +72,19 @@ class Patcher:
 
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
+        self._changes: list[Change] = []
 
     def wrap(self, owner: Any, attribute: str, wrapper: Callable[..., Any]) -> Any:
         """Wrap `owner.attribute` with a wrapt `wrapper(wrapped, instance, args, kwargs)`.
 
         Refuses to wrap twice (invariant: never double wrapped).
         """
-        if getattr(inspect_static(owner, attribute), _MARKER, False):
+        if is_wrapped_by_us(inspect_static(owner, attribute)):
             raise RuntimeError(f"{_describe(owner)}.{attribute} is already wrapped by megatron-lora-patch")
         had_own = _has_own(owner, attribute)
         proxy = wrapt.wrap_function_wrapper(owner, attribute, wrapper)
         setattr(proxy, _MARKER, True)  # `_self_` attributes live on the proxy, not the wrapped function
-        self._undo.append(lambda: _restore(owner, attribute, proxy.__wrapped__, had_own))
+        self._record(Change(owner, attribute, proxy.__wrapped__, had_own, wrapped=True))
         return proxy
 
     def replace(self, owner: Any, attribute: str, value: Any) -> None:
@@ -72,20 +92,30 @@ class Patcher:
         had_own = _has_own(owner, attribute)
         original = inspect_static(owner, attribute) if had_own else None
         setattr(owner, attribute, value)
-        self._undo.append(lambda: _restore(owner, attribute, original, had_own))
+        self._record(Change(owner, attribute, original, had_own, wrapped=False))
 
     def on_revert(self, undo: Callable[[], None]) -> None:
         """Register an extra undo step for state a hook changed outside attributes."""
         self._undo.append(undo)
 
     @property
-    def changes(self) -> int:
-        return len(self._undo)
+    def changes(self) -> tuple[Change, ...]:
+        """Every attribute changed since the last revert, in order."""
+        return tuple(self._changes)
+
+    def targets(self) -> list[str]:
+        """The changed attributes as `status` prints them, each once, in order."""
+        return list(dict.fromkeys(change.target for change in self._changes))
 
     def revert(self) -> None:
         """Undo every recorded change, newest first; the patcher can then be reused."""
         while self._undo:
             self._undo.pop()()
+        self._changes.clear()
+
+    def _record(self, change: Change) -> None:
+        self._changes.append(change)
+        self._undo.append(lambda: _restore(change.owner, change.attribute, change.original, change.had_own))
 
 
 def inspect_static(owner: Any, attribute: str) -> Any:
@@ -96,6 +126,11 @@ def inspect_static(owner: Any, attribute: str) -> Any:
                 return vars(klass)[attribute]
         raise AttributeError(f"{owner.__qualname__} has no attribute {attribute!r}")
     return getattr(owner, attribute)
+
+
+def is_wrapped_by_us(value: Any) -> bool:
+    """Whether `value` is a wrapper a `Patcher` installed."""
+    return bool(getattr(value, _MARKER, False))
 
 
 def _has_own(owner: Any, attribute: str) -> bool:

@@ -1,4 +1,5 @@
-"""The `lora_correct` plugin: this package's own patches (DESIGN.md section 3)."""
+"""The `lora_correct` plugin: the production patches (the CPU host support is the separate
+`cpu_testbed` plugin, `compat.plugin`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from megatron_lora_patch.hookspecs import impl
 from megatron_lora_patch.patching import PatchSpec
 
 #: Patch modules under `megatron_lora_patch.patches`, in application order.
-PATCH_MODULES: tuple[str, ...] = ("cpu_compat", "lora_linear", "lora_checkpoint", "finalize_grads", "loss_normalization", "null_tokenizer", "tp_invariant")
+PATCH_MODULES: tuple[str, ...] = ("lora_linear", "lora_checkpoint", "finalize_grads", "loss_normalization", "null_tokenizer", "tp_invariant")
 
 
 @impl

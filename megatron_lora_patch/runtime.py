@@ -19,53 +19,16 @@ import wrapt
 
 from megatron_lora_patch import errors, flags, hookspecs, versions
 from megatron_lora_patch.errors import UsageError
-from megatron_lora_patch.patching import Patcher, PatchSpec
+from megatron_lora_patch.hookspecs import Settings
+from megatron_lora_patch.outcomes import PatchError, PatchStatus, PluginError, SkipPatch
+from megatron_lora_patch.patching import Change, Patcher, PatchSpec
+
+__all__ = ["PatchError", "PatchStatus", "PluginError", "Settings", "SkipPatch", "apply", "revert", "status"]
 
 logger = logging.getLogger("megatron_lora_patch")
 
 #: Importing it runs the version gate of every enabled patch (all targets live inside it).
 VERSION_MODULE = "megatron.core"
-
-
-class SkipPatch(Exception):
-    """Raised by a hook when its patch does not apply here (already upstream, no CPU
-    needed, ...). Whatever the patch changed so far is reverted; status shows the reason."""
-
-
-class PatchError(UsageError, RuntimeError):
-    """An enabled patch cannot be delivered (it failed to apply, the Megatron-Core version is
-    untested, or a run-time misuse in strict mode): the run stops with this one line."""
-
-
-class PluginError(UsageError, LookupError):
-    """A requested plugin is not installed or does not load."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """What plugins see in `megatron_lora_patch_configure`."""
-
-    plugins: tuple[str, ...]
-    strict: bool
-    enabled: Mapping[str, bool]
-
-
-@dataclasses.dataclass(frozen=True)
-class PatchStatus:
-    """One row of `megatron-lora-patch status`."""
-
-    plugin: str
-    patch: str
-    target: str
-    tested: str
-    installed: str
-    enabled: bool
-    source: str  # where `enabled` came from: arg, env or default
-    state: str  # applied, skipped, failed, untested, disabled, reverted, not imported yet, not configured
-    detail: str = ""
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
@@ -185,7 +148,7 @@ class Runtime:
             PatchStatus(
                 plugin=record.plugin,
                 patch=name,
-                target=record.spec.target_text,
+                target=", ".join(record.patcher.targets()) or record.spec.target_text,
                 tested=record.spec.versions,
                 installed=str(installed) if installed else "not installed",
                 enabled=record.enabled,
@@ -195,6 +158,10 @@ class Runtime:
             )
             for name, record in self._records.items()
         ]
+
+    def changes(self, name: str) -> tuple[Change, ...]:
+        """The attributes patch `name` changed (and what revert restores), as its patcher recorded them."""
+        return self._records[name].patcher.changes
 
     # -- plugins ----------------------------------------------------------------------
     def _plugin_names(self) -> list[str]:

@@ -1,14 +1,15 @@
 """cpu_compat: run Megatron-Core (local spec, dense and MoE) on CPU with gloo.
 
-Default off; the testing helpers and the oracle turn it on when CUDA is unavailable.
+The one patch of the `cpu_testbed` plugin (`compat.plugin`), never of the production
+`lora_correct`: on by default once that plugin is loaded (the testing helpers and the oracle
+load it when CUDA is unavailable).
 It only relocates devices, backs the CUDA RNG tracker with the CPU generator, replaces
 gloo-incompatible collectives by equivalents that move the same values, and lets the
 torch norm run under sequence parallel with the correct param tag: numerics are those
 Megatron computes. With CUDA available every hook is a no-op unless
 `MEGATRON_LORA_CPU_COMPAT_FORCE=1`.
 
-One hook per Megatron module it fixes (0.16.1 line numbers, see
-shared/reference/megatron-internals.md):
+One hook per Megatron module it fixes:
 
 - `megatron.core`: `torch.cuda.current_device`/`synchronize`/streams and a
   TorchFunctionMode for `device="cuda"` / `.cuda()` (compat.host_device; global while
@@ -155,20 +156,5 @@ SPEC = PatchSpec(
         "megatron.legacy.fused_kernels": legacy_fused_kernels,
     },
     versions=">=0.13,<0.20",
-    default=False,
-    targets=(
-        "torch.cuda:current_device,synchronize,Stream,current_stream,stream",
-        "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.add,fork",
-        "megatron.core.tensor_parallel.random:model_parallel_cuda_manual_seed",
-        "megatron.core.tensor_parallel.random:CheckpointFunction.backward,CheckpointWithoutOutput._recompute",
-        "megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__",
-        "megatron.core.tensor_parallel.mappings:_gather_along_first_dim,"
-        "_reduce_scatter_along_first_dim,all_to_all",
-        "megatron.core.transformer.moe.moe_utils:te_general_gemm",
-        "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32",
-        "megatron.core.datasets.utils:compile_helpers",
-        "megatron.training.initialize:initialize_megatron,_initialize_distributed,_set_random_seed",
-        "megatron.training.arguments:get_device_arch_version",
-        "megatron.legacy.fused_kernels:load",
-    ),
+    default=True,
 )

@@ -57,9 +57,4 @@ SPEC = PatchSpec(
     },
     versions=">=0.13,<0.20",
     default=True,
-    targets=(
-        "megatron.core.tensor_parallel.layers:ColumnParallelLinear.sharded_state_dict",
-        "megatron.core.tensor_parallel.layers:RowParallelLinear.sharded_state_dict",
-        "megatron.core.dist_checkpointing:save,load",
-    ),
 )

@@ -1,4 +1,4 @@
-"""`lora_linear`: LoRA adapters on Megatron's tensor-parallel linear layers (DESIGN.md section 4).
+"""`lora_linear`: LoRA adapters on Megatron's tensor-parallel linear layers (docs/architecture.md section 4).
 
 Targets:
 - `megatron.core.tensor_parallel.layers`: the layer `forward`s announce their adapter
@@ -128,20 +128,4 @@ SPEC = PatchSpec(
     },
     versions=">=0.13,<0.20",
     default=True,
-    targets=(
-        "megatron.core.tensor_parallel.layers:linear_with_frozen_weight",
-        "megatron.core.tensor_parallel.layers:linear_with_grad_accumulation_and_async_allreduce",
-        "megatron.core.tensor_parallel.layers:ColumnParallelLinear.forward",
-        "megatron.core.tensor_parallel.layers:RowParallelLinear.forward",
-        "megatron.core.tensor_parallel:copy_tensor_model_parallel_attributes",
-        "megatron.core.models.gpt.gpt_model:GPTModel.__init__",
-        "megatron.core.models.hybrid.hybrid_model:HybridModel.__init__ (0.18+)",
-        "megatron.core.models.mamba.mamba_model:MambaModel.__init__ (0.17-)",
-        "megatron.core.transformer.transformer_block:TransformerBlock._checkpointed_forward (0.17-) / "
-        "checkpointed_forward (0.18+)",
-        "megatron.core.models.hybrid.hybrid_block:checkpointed_forward (0.18+)",
-        "megatron.core.extensions.transformer_engine:TELinear.forward",
-        "megatron.core.extensions.transformer_engine:TELayerNormColumnParallelLinear.forward",
-        "megatron.core.extensions.transformer_engine:TEGroupedLinear.forward",
-    ),
 )

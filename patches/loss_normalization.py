@@ -1,4 +1,4 @@
-"""`loss_normalization`: the step loss is summed loss / GLOBAL trainable-token count (DESIGN.md section 5).
+"""`loss_normalization`: the step loss is summed loss / GLOBAL trainable-token count (docs/architecture.md section 5).
 
 Megatron-Core already implements this when `config.calculate_per_token_loss` is on: the
 schedule keeps each microbatch's loss a SUM and adds up `num_tokens`, `finalize_model_grads`
@@ -174,9 +174,4 @@ SPEC = PatchSpec(
     },
     versions=">=0.13,<0.20",
     default=True,
-    targets=(
-        "megatron.core.transformer.transformer_config:TransformerConfig.__post_init__",
-        "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.__init__",
-        "megatron.core.pipeline_parallel.schedules:forward_step_calc_loss (0.14+) / forward_step (0.13)",
-    ),
 )

@@ -1,4 +1,4 @@
-"""`null_tokenizer` (opt-in): `--vocab-size N` counts the end-of-document token (DESIGN.md section 6).
+"""`null_tokenizer` (opt-in): `--vocab-size N` counts the end-of-document token (docs/architecture.md section 6).
 
 Megatron-Core's `NullTokenizer` up to 0.16 and Megatron-LM's training-side `_NullTokenizer`
 read `--vocab-size N` as N ordinary ids plus one more for EOD: `eod == N`, `vocab_size == N + 1`.
@@ -178,9 +178,4 @@ SPEC = PatchSpec(
     hooks={CORE_MODULE: _patch_core, CORE_WRAPPER_MODULE: _patch_core_wrapper, TRAINING_MODULE: _patch_training},
     versions=">=0.13,<0.20",
     default=False,
-    targets=(
-        f"{CORE_MODULE}:NullTokenizer.__init__,unique_identifiers",
-        f"{CORE_WRAPPER_MODULE}:MegatronTokenizerText.unique_identifiers",
-        f"{TRAINING_MODULE}:_NullTokenizer.__init__",
-    ),
 )

@@ -1,6 +1,6 @@
 """`tp_invariant`: bitwise-identical LoRA training across TP = 1, 2, 4, with and without SP (opt-in).
 
-DESIGN.md section 7; techniques from Megatron-LM #4740 (dense full training there),
+docs/architecture.md section 7; techniques from Megatron-LM #4740 (dense full training there),
 extended to the LoRA branch. Turn it on in every rank, before training, with
 `megatron_lora_patch.apply(..., enable={"tp_invariant": True})` or the environment
 variable `MEGATRON_LORA_PATCH_TP_INVARIANT=1`; it changes TP = 1 too (same code path).
@@ -111,14 +111,4 @@ SPEC = PatchSpec(
     },
     versions=">=0.14,<0.20",
     default=False,
-    targets=(
-        "megatron.core.tensor_parallel.layers:ColumnParallelLinear._forward_impl,RowParallelLinear._forward_impl",
-        "megatron.core.transformer.mlp:MLP.__init__",
-        "megatron.core.tensor_parallel.cross_entropy:vocab_parallel_cross_entropy",
-        "megatron.core.tensor_parallel:vocab_parallel_cross_entropy",
-        "megatron.core.models.common.language_module.language_module:fused_vocab_parallel_cross_entropy",
-        "megatron.core.optimizer.optimizer:MegatronOptimizer.get_grad_norm,clip_grad_norm",
-        "megatron.core.optimizer.optimizer:ChainedOptimizer.get_grad_norm",
-        "megatron_lora_patch.lora.grad_sync:replicated_adapter_params",
-    ),
 )

@@ -55,11 +55,9 @@ def _build(config, *, expert: bool, tp_group):
 
 def apply_lora_linear() -> None:
     """Only `cpu_compat` and `lora_linear` on: the layer tests see no other patch."""
-    import megatron_lora_patch
-    from megatron_lora_patch.plugin import PATCH_MODULES
+    from megatron_lora_patch.testing.patches import apply_only
 
-    wanted = {name: name in ("cpu_compat", "lora_linear") for name in PATCH_MODULES}
-    megatron_lora_patch.apply(plugins=["lora_correct"], enable=wanted)
+    apply_only(("cpu_compat", "lora_linear"))
 
 
 def check_layers(rank: int, world: int, topology_spec: str, expert: bool, sp_input: str) -> Dict[str, float]:

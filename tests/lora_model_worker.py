@@ -32,10 +32,9 @@ PATCHES = ("cpu_compat", "lora_linear")
 
 def apply_patches() -> None:
     """Only `cpu_compat` and `lora_linear`: the findings depend on no other patch."""
-    import megatron_lora_patch
-    from megatron_lora_patch.plugin import PATCH_MODULES
+    from megatron_lora_patch.testing.patches import apply_only
 
-    megatron_lora_patch.apply(plugins=["lora_correct"], enable={name: name in PATCHES for name in PATCH_MODULES})
+    apply_only(PATCHES)
 
 
 def batch(spec: TinyGPTSpec):

@@ -24,11 +24,10 @@ def lora_config(seed: int, rank: int = 4, **options) -> LoraConfig:
 
 def setup(config: LoraConfig, patches=PATCHES) -> None:
     """Only the given patches on (the persistence tests see no other); adapters from `config`."""
-    import megatron_lora_patch
     from megatron_lora_patch.lora.config import set_active
-    from megatron_lora_patch.plugin import PATCH_MODULES
+    from megatron_lora_patch.testing.patches import apply_only
 
-    megatron_lora_patch.apply(plugins=["lora_correct"], enable={name: name in patches for name in PATCH_MODULES})
+    apply_only(patches)
     set_active(config)
 
 

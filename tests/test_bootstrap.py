@@ -142,7 +142,7 @@ def test_status_table_and_module_entry_point(installed_python):
     assert lines[0].split() == ["plugin", "patch", "tested", "megatron-core", "enabled", "fresh", "process", "this", "process"]
     shout = lines.index(next(line for line in lines if line.split()[:2] == ["demo", "demo_shout"]))
     assert lines[shout].split()[-4:] == ["on", "(default)", "applied", "applied"]
-    assert lines[shout + 1].strip() == "target demo_target"
+    assert lines[shout + 1].strip() == "target demo_target:greet"  # what its patcher recorded
     pth = installed_python.parent.parent / "lib"
     (hook_file,) = pth.glob("python3*/site-packages/megatron_lora_patch-init.pth")
     assert lines[-1] == f"start-up hook: installed at {hook_file} (ran in this process)"
@@ -152,7 +152,7 @@ def test_status_when_plugins_unset(installed_python):
     code = "from megatron_lora_patch.cli import main; raise SystemExit(main(['status']))"
     result = run_python(installed_python, code)
     assert result.returncode == 0
-    assert result.stdout.startswith("MEGATRON_PLUGINS is unset: no plugin is active and nothing is patched. Installed plugins: canary, demo, lora_correct.")
+    assert result.stdout.startswith("MEGATRON_PLUGINS is unset: no plugin is active and nothing is patched. Installed plugins: canary, cpu_testbed, demo, lora_correct.")
 
 
 def test_lora_correct_applied_on_plain_megatron_import(installed_python):
@@ -168,7 +168,8 @@ def test_lora_correct_applied_on_plain_megatron_import(installed_python):
     rows, wrapped = json.loads(result.stdout.strip().splitlines()[-1])
     assert wrapped
     assert rows["lora_linear"] == "applied" and rows["lora_checkpoint"] == "applied"
-    assert rows["cpu_compat"] == rows["null_tokenizer"] == rows["tp_invariant"] == "disabled"  # opt-in patches
+    assert rows["null_tokenizer"] == rows["tp_invariant"] == "disabled"  # opt-in patches
+    assert "cpu_compat" not in rows  # the CPU host support is the cpu_testbed plugin, never production
     assert rows["finalize_grads"] in ("applied", "not imported yet")
 
 

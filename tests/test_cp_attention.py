@@ -81,7 +81,7 @@ def lora_correct_patches():
     from megatron_lora_patch.lora.config import LoraConfig, set_active
 
     enabled_before = {row.patch: row.enabled for row in megatron_lora_patch.status()}
-    megatron_lora_patch.apply(plugins=["lora_correct"], enable=LORA_PATCHES)
+    megatron_lora_patch.apply(plugins=["lora_correct", "cpu_testbed"], enable=LORA_PATCHES)
     set_active(LoraConfig(rank=4, alpha=8, b_init="nonzero"))
     try:
         yield

@@ -52,7 +52,7 @@ def apply_revert_round_trip(rank, world_size):
     import megatron_lora_patch
 
     before = _snapshot()
-    megatron_lora_patch.apply(plugins=["lora_correct"], enable=ONLY_CPU_COMPAT, strict=True)
+    megatron_lora_patch.apply(plugins=["lora_correct", "cpu_testbed"], enable=ONLY_CPU_COMPAT, strict=True)
     during = _snapshot()
     on_host = (torch.cuda.current_device(), torch.zeros(1, device="cuda").device, torch.ones(1).cuda().device)
     megatron_lora_patch.revert()
@@ -71,7 +71,7 @@ def apply_before_import_round_trip(rank, world_size):
     import megatron_lora_patch
 
     current_device = torch.cuda.current_device
-    megatron_lora_patch.apply(plugins=["lora_correct"], enable=ONLY_CPU_COMPAT, strict=True)
+    megatron_lora_patch.apply(plugins=["lora_correct", "cpu_testbed"], enable=ONLY_CPU_COMPAT, strict=True)
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
     import megatron.core.transformer.torch_norm  # noqa: F401
@@ -90,7 +90,7 @@ def skipped_when_cuda_is_available(rank, world_size):
 
     torch.cuda.is_available = lambda: True  # this throwaway process pretends to have a GPU
     original = torch.cuda.current_device
-    rows = megatron_lora_patch.apply(plugins=["lora_correct"], enable=ONLY_CPU_COMPAT)
+    rows = megatron_lora_patch.apply(plugins=["lora_correct", "cpu_testbed"], enable=ONLY_CPU_COMPAT)
     state = next(row.state for row in rows if row.patch == "cpu_compat")
     return state, torch.cuda.current_device is original
 

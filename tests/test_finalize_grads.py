@@ -1,7 +1,7 @@
 """The `finalize_grads` patch and `lora.grad_sync`, on real Megatron layers, DDP, schedule and optimizer over gloo.
 
 The model is a column-parallel -> row-parallel pair of real Megatron layers (frozen) with
-hand-tagged LoRA factors in the layouts of DESIGN.md section 4: column A replicated / B
+hand-tagged LoRA factors in the layouts of docs/architecture.md section 4: column A replicated / B
 sharded, row A sharded / B replicated. The reference is the same logical computation on
 full tensors in one process (world size 1), so the replicated factors' grads only match
 it once their per-rank partial sums are SUMmed over TP.
@@ -140,13 +140,10 @@ class TinyLoRAPair(torch.nn.Module):
 
 def apply_patches(finalize: bool, loss: bool, strict: bool = False) -> None:
     """Only cpu_compat and the patches under test: the real LoRA layers stay out of this model."""
-    import megatron_lora_patch
-    from megatron_lora_patch.plugin import PATCH_MODULES
+    from megatron_lora_patch.testing.patches import apply_only
 
     wanted = {"cpu_compat": True, "finalize_grads": finalize, "loss_normalization": loss}
-    megatron_lora_patch.apply(
-        plugins=["lora_correct"], enable={name: wanted.get(name, False) for name in PATCH_MODULES}, strict=strict
-    )
+    apply_only([name for name, on in wanted.items() if on], strict=strict)
 
 
 def build_ddp_model(tp: int, sequence_parallel: bool = False):

@@ -38,7 +38,7 @@ BOOLEANS = "1, true, yes, on, 0, false, no, off"
         ({}, ["demo"], {"demo_shot": True}, FlagError,
          "the `enable` argument names unknown patch 'demo_shot'; did you mean 'demo_shout'?"),
         ({"MEGATRON_PLUGINS": "nope"}, None, None, runtime.PluginError,
-         "MEGATRON_PLUGINS names unknown plugin 'nope'; known: canary, demo, lora_correct"),
+         "MEGATRON_PLUGINS names unknown plugin 'nope'; known: canary, cpu_testbed, demo, lora_correct"),
         ({"MEGATRON_PLUGINS": "lora-correct"}, None, None, runtime.PluginError,
          "MEGATRON_PLUGINS names unknown plugin 'lora-correct'; did you mean 'lora_correct'?"),
         ({"MEGATRON_PLUGINS": " , "}, None, None, FlagError,

@@ -41,7 +41,7 @@ def forward_logits(rank, world_size, topology_spec, specs):
     from megatron_lora_patch.testing import models
     from megatron_lora_patch.testing.topology import Topology
 
-    megatron_lora_patch.apply(plugins=["lora_correct"], enable=ONLY_CPU_COMPAT)
+    megatron_lora_patch.apply(plugins=["lora_correct", "cpu_testbed"], enable=ONLY_CPU_COMPAT)
     topology = Topology.parse(topology_spec)
     results = []
     with topology.world(cpu_compat=False):
@@ -58,7 +58,7 @@ def world1_checks(rank, world_size):
     from megatron_lora_patch.testing import models
     from megatron_lora_patch.testing.topology import Topology
 
-    megatron_lora_patch.apply(plugins=["lora_correct"], enable=ONLY_CPU_COMPAT)
+    megatron_lora_patch.apply(plugins=["lora_correct", "cpu_testbed"], enable=ONLY_CPU_COMPAT)
     report = {}
     with Topology().world(cpu_compat=False):
         for spec in (DENSE, DENSE.replace(tie_embeddings=True), MOE_ALLGATHER):

@@ -28,6 +28,7 @@ from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
 
 import megatron_lm_null_tokenizer as doubles
+from megatron_lora_patch import flags as flags_module
 from megatron_lora_patch import plugin
 from megatron_lora_patch.patches import null_tokenizer as patch
 from megatron_lora_patch.runtime import Runtime, SkipPatch
@@ -64,7 +65,7 @@ def row(rows):
 
 @pytest.fixture
 def runtime(monkeypatch):
-    monkeypatch.delenv(patch.SPEC.flag, raising=False)
+    monkeypatch.delenv(flags_module.patch_variable(patch.SPEC.name), raising=False)
     registry = Runtime()
     yield registry
     registry.revert()

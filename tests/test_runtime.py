@@ -144,7 +144,7 @@ def test_status_rows_describe_every_patch(target, fresh):
     assert row.as_dict() == {
         "plugin": "demo",
         "patch": "demo_shout",
-        "target": "demo_target",
+        "target": "demo_target:greet",  # what its patcher recorded, not a declaration
         "tested": ">=0.13",
         "installed": importlib.metadata.version("megatron-core"),  # package_info agrees with it here
         "enabled": True,

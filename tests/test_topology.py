@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_lora_patch.plugin import PATCH_MODULES
+from megatron_lora_patch.testing.patches import all_patch_names
 from megatron_lora_patch.testing.launcher import gloo_process_group, run_world
 from megatron_lora_patch.testing.topology import Topology, TopologyError
 
@@ -246,8 +246,9 @@ def test_initialize_sets_up_parallel_state_on_two_ranks():
             "topology 'tp1' needs 1 ranks but the world has 2; launch with world_size=1"
         )
         # cpu_compat is on (no CUDA here); the LoRA patches were never turned on by the testbed.
-        assert set(PATCH_MODULES) <= set(seen["patches"]), sorted(seen["patches"])
-        assert {name: seen["patches"][name] for name in PATCH_MODULES} == {name: name == "cpu_compat" for name in PATCH_MODULES}
+        names = all_patch_names()
+        assert set(names) <= set(seen["patches"]), sorted(seen["patches"])
+        assert {name: seen["patches"][name] for name in names} == {name: name == "cpu_compat" for name in names}
 
     rank0, rank1 = ranks
     # Megatron-LM seeding: the default stream is shared by tensor-parallel peers; the

@@ -50,16 +50,13 @@ def _forward_modules(name, module) -> bool:
 
 
 def _train(rank, world_size, spec, topology_text, invariant):
-    import megatron_lora_patch
     from megatron_lora_patch.lora.config import LoraConfig, set_active
-    from megatron_lora_patch.plugin import PATCH_MODULES
     from megatron_lora_patch.testing.driver import Capture, TrainSettings, train_steps
+    from megatron_lora_patch.testing.patches import apply_only
     from megatron_lora_patch.testing.topology import Topology
 
     wanted = set(BASE_PATCHES) | ({"tp_invariant"} if invariant else set())
-    megatron_lora_patch.apply(
-        plugins=["lora_correct"], enable={name: name in wanted for name in PATCH_MODULES}, strict=True
-    )
+    apply_only(wanted, strict=True)
     set_active(LoraConfig(rank=4, alpha=8.0, b_init="nonzero"))
     settings = TrainSettings(
         steps=STEPS,
@@ -183,17 +180,14 @@ def test_without_the_patch_tp2_differs(fp32_spec):
 
 def _bf16_forward_backward(rank, world_size, spec, topology_text):
     """bf16 model (no optimizer: Megatron's Float16 optimizer refuses CPU tensors): losses, adapter grads."""
-    import megatron_lora_patch
     from megatron_lora_patch.lora.config import LoraConfig, set_active
-    from megatron_lora_patch.plugin import PATCH_MODULES
     from megatron_lora_patch.testing import data
     from megatron_lora_patch.testing.models import build_model
+    from megatron_lora_patch.testing.patches import apply_only
     from megatron_lora_patch.testing.topology import Topology
 
     wanted = set(BASE_PATCHES) | {"tp_invariant"}
-    megatron_lora_patch.apply(
-        plugins=["lora_correct"], enable={name: name in wanted for name in PATCH_MODULES}, strict=True
-    )
+    apply_only(wanted, strict=True)
     set_active(LoraConfig(rank=4, alpha=8.0, b_init="nonzero"))
     topology = Topology.parse(topology_text)
     with topology.world(seed=1234):

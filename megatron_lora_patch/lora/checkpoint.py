@@ -4,7 +4,7 @@ A parallel linear's own `sharded_state_dict` sees `lora.A` / `lora.B` in its pla
 state dict and would mark both as replicated over TP. `layer_sharded_state_dict` (the
 `lora_checkpoint` patch wraps the layers' method with it) replaces those two entries with
 `adapter_sharded_state_dict`, which describes each factor the way Megatron describes the
-base weight beside it (DESIGN.md section 4):
+base weight beside it (docs/architecture.md section 4):
 
 - the sharded factor (column B on dim 0, row A on dim 1) is a TP-sharded tensor with
   replica id `(0, 0, dp_rank)`, exactly like the weight;

@@ -4,7 +4,7 @@ The logical A (r x in) and B (out x r) of a module are a pure function of
 (seed, canonical module name, expert index): each factor draws from its own
 `torch.Generator` seeded by a stable hash of those, on CPU in float32, so every
 rank of every topology computes the same logical tensors and keeps its slice
-(DESIGN.md section 4, "Init is topology-invariant"). Nothing is broadcast.
+(docs/architecture.md section 4, "Init is topology-invariant"). Nothing is broadcast.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Merge LoRA adapters into the base weights (for serving or a full-model export) and back.
 
 Each rank merges its own shard with no communication, because a weight shard's delta
-is made of local factors only (DESIGN.md section 4):
+is made of local factors only (docs/architecture.md section 4):
 - column-parallel: `W_shard += s * B_shard A` (A replicated; B is cut like W's rows,
   including the SwiGLU `[gate_shard; up_shard]` layout);
 - row-parallel: `W_shard += s * B A_shard` (B replicated; A is cut like W's columns).

@@ -1,7 +1,7 @@
 """What every LoRA adapter parameter tells the rest of the system about itself.
 
 The gradient finalization, DDP bucketing, grad-norm and checkpoint code read this
-instead of guessing from names (DESIGN.md section 4):
+instead of guessing from names (docs/architecture.md section 4):
 - a *replicated* factor (column A, row B) holds the same logical tensor on every rank
   of its shard domain, so its local grad is a partial sum: it must be SUMmed over
   `group` after Megatron's finalize, never averaged, never skipped;

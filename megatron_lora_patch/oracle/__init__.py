@@ -1,1 +1,1 @@
-"""The oracle: every topology's LoRA training step against a world-size-1 reference (DESIGN.md section 8)."""
+"""The oracle: every topology's LoRA training step against a world-size-1 reference (docs/architecture.md section 8)."""

@@ -1,4 +1,4 @@
-"""The oracle harness: world-1 reference vs topologies, per phase (DESIGN.md section 8).
+"""The oracle harness: world-1 reference vs topologies, per phase (docs/architecture.md section 8).
 
 Every run (reference, topology, mutation) is a `testing.runner.Job`: the same seeded
 tiny GPT, the same topology-invariant LoRA adapters (non-zero B, so grads reach A) and
@@ -109,6 +109,7 @@ def oracle_job(settings: OracleSettings, mutation: Optional[Mutation]):
     import torch
 
     import megatron_lora_patch
+    from megatron_lora_patch.testing.patches import TESTBED_PLUGINS
     from megatron_lora_patch.lora.config import LoraConfig
 
     enable = {
@@ -120,7 +121,7 @@ def oracle_job(settings: OracleSettings, mutation: Optional[Mutation]):
     if settings.tp_invariant:
         enable["tp_invariant"] = True
     enable.update(mutation.patches if mutation else {})
-    megatron_lora_patch.apply(plugins=["lora_correct"], enable=enable)
+    megatron_lora_patch.apply(plugins=TESTBED_PLUGINS, enable=enable)
     lora = dict(rank=settings.lora_rank, alpha=settings.lora_alpha, b_init="nonzero", seed=settings.seed)
     lora.update(dict(settings.lora_options))
     lora.update(mutation.lora if mutation else {})

@@ -338,9 +338,10 @@ def preflight_job(lora, patches: dict, mutation):
 
     import megatron_lora_patch
     from megatron_lora_patch.oracle.harness import mutation_installed
+    from megatron_lora_patch.testing.patches import TESTBED_PLUGINS
 
     enable = {**patches, "cpu_compat": not torch.cuda.is_available(), **(mutation.patches if mutation else {})}
-    megatron_lora_patch.apply(plugins=["lora_correct"], enable=enable)
+    megatron_lora_patch.apply(plugins=TESTBED_PLUGINS, enable=enable)
     with mutation_installed(dataclasses.replace(lora, **(mutation.lora if mutation else {})), mutation):
         yield
 

@@ -18,6 +18,7 @@ import torch
 
 from megatron_lora_patch.testing import data as testing_data
 from megatron_lora_patch.testing.pretrain import PER_TOKEN, forward_step_for
+from megatron_lora_patch.testing.rank import to_cpu
 
 #: Sentinel for `finalize_model_grads_func`: resolve Megatron's function when the
 #: run starts (so a patch that wrapped `megatron.core.distributed.finalize_model_grads`
@@ -79,17 +80,6 @@ class TrainSettings:
     on_model_built: Optional[Callable[[list], None]] = None
     capture: Capture = Capture()
     data_path: Optional[str] = None  # a Megatron indexed dataset prefix read in order instead of random tokens
-
-
-def _to_cpu(value: Any) -> Any:
-    """Detached CPU copies of tensors inside nested tuples/lists/dicts (picklable)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_cpu(item) for item in value)
-    if isinstance(value, dict):
-        return {key: _to_cpu(item) for key, item in value.items()}
-    return value
 
 
 def _rank_coordinates() -> Dict[str, int]:
@@ -218,7 +208,7 @@ class _ForwardRecorder:
 
     def _hook(self, name: str):
         def record(module, inputs, output):
-            self.outputs.setdefault(name, []).append(_to_cpu(output))
+            self.outputs.setdefault(name, []).append(to_cpu(output))
 
         return record
 
@@ -340,7 +330,7 @@ def train_steps(spec, topology, settings: TrainSettings = TrainSettings()) -> di
         "is_last_stage": parallel_state.is_pipeline_last_stage(),
         "num_microbatches": num_microbatches,
         "shards": {name: shard for name, (_, shard) in captured.items()},
-        "initial_params": {name: _to_cpu(param) for name, (param, _) in captured.items()},
+        "initial_params": {name: to_cpu(param) for name, (param, _) in captured.items()},
         "steps": [],
     }
     try:
@@ -363,7 +353,7 @@ def train_steps(spec, topology, settings: TrainSettings = TrainSettings()) -> di
                 forward_only=False,
             )
             # Clone now: the optimizer clips these very tensors in place.
-            grads = {name: _to_cpu(_grad_of(param)) for name, (param, _) in captured.items()}
+            grads = {name: to_cpu(_grad_of(param)) for name, (param, _) in captured.items()}
             update_successful, grad_norm, _ = optimizer.step()
             last = step == settings.steps - 1
             step_record = {
@@ -373,7 +363,7 @@ def train_steps(spec, topology, settings: TrainSettings = TrainSettings()) -> di
                 "update_successful": bool(update_successful),
                 "grads": grads,
                 "params": (
-                    {name: _to_cpu(param) for name, (param, _) in captured.items()}
+                    {name: to_cpu(param) for name, (param, _) in captured.items()}
                     if last or settings.capture.params_every_step
                     else {}
                 ),

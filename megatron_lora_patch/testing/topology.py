@@ -264,15 +264,14 @@ class Topology:
 
 def _enable_cpu_compat() -> None:
     """Turn on ``cpu_compat`` without changing whether any other patch is on."""
-    import megatron_lora_patch
-    from megatron_lora_patch.plugin import PATCH_MODULES
+    from megatron_lora_patch import status
+    from megatron_lora_patch.testing.patches import apply_only
 
-    current = {row.patch: row.enabled for row in megatron_lora_patch.status()}
+    current = {row.patch: row.enabled for row in status()}
     if current.get("cpu_compat"):
         return
-    # `apply` resolves every patch of the plugin; unlisted ones would take their default (on).
-    keep = {name: current.get(name, False) for name in PATCH_MODULES}
-    megatron_lora_patch.apply(plugins=["lora_correct"], enable={**keep, "cpu_compat": True})
+    # `apply` resolves every patch of the plugins; unlisted ones would take their default (on).
+    apply_only({name for name, enabled in current.items() if enabled} | {"cpu_compat"})
 
 
 def _seed_everything(seed: int) -> None:

@@ -6,7 +6,6 @@ other patch, whether or not the package's own start-up hook is installed, so the
 of the "plugin unset == not installed" check differ only in that hook.
 """
 
-import megatron_lora_patch
-from megatron_lora_patch.plugin import PATCH_MODULES
+from megatron_lora_patch.testing.patches import apply_only
 
-megatron_lora_patch.apply(plugins=["lora_correct"], enable={name: name == "cpu_compat" for name in PATCH_MODULES})
+apply_only(("cpu_compat",))
