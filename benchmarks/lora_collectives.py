@@ -111,11 +111,9 @@ class CollectiveCounter:
 
 
 def _apply_patches() -> None:
-    import megatron_lora_patch
-    from megatron_lora_patch.plugin import PATCH_MODULES
+    from megatron_lora_patch.testing.patches import apply_only
 
-    wanted = ("cpu_compat", "lora_linear")
-    megatron_lora_patch.apply(plugins=["lora_correct"], enable={name: name in wanted for name in PATCH_MODULES})
+    apply_only(("cpu_compat", "lora_linear"))
 
 
 def _layer(kind: str, variant: str, sequence_parallel: bool):

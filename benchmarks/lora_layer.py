@@ -28,11 +28,9 @@ import torch
 
 
 def _apply_patches() -> None:
-    import megatron_lora_patch
-    from megatron_lora_patch.plugin import PATCH_MODULES
+    from megatron_lora_patch.testing.patches import apply_only
 
-    wanted = ("cpu_compat", "lora_linear")
-    megatron_lora_patch.apply(plugins=["lora_correct"], enable={name: name in wanted for name in PATCH_MODULES})
+    apply_only(("cpu_compat", "lora_linear"))
 
 
 def build_pair(hidden: int, rank: int) -> torch.nn.Module:

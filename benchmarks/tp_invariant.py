@@ -63,12 +63,12 @@ def _train(spec, topology_text, invariant, steps) -> tuple:
     """One training run of `steps` steps in one mode: (record, time the run started)."""
     import megatron_lora_patch
     from megatron_lora_patch.lora.config import LoraConfig, set_active
-    from megatron_lora_patch.plugin import PATCH_MODULES
     from megatron_lora_patch.testing.driver import Capture, TrainSettings, train_steps
+    from megatron_lora_patch.testing.patches import apply_only
     from megatron_lora_patch.testing.topology import Topology
 
     wanted = set(PATCHES) | ({"tp_invariant"} if invariant else set())
-    megatron_lora_patch.apply(plugins=["lora_correct"], enable={name: name in wanted for name in PATCH_MODULES})
+    apply_only(wanted)
     set_active(LoraConfig(rank=16, alpha=32.0, b_init="nonzero"))
     settings = TrainSettings(
         steps=steps, global_batch_size=4, on_model_built=_time_forwards,

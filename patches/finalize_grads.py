@@ -1,6 +1,6 @@
 """`finalize_grads`: after Megatron's `finalize_model_grads`, SUM replicated LoRA factor grads over their domain.
 
-What it changes (DESIGN.md sections 3-4):
+What it changes (docs/architecture.md sections 3-4):
 - `megatron.core.distributed.finalize_model_grads` (the function in its module and the
   package re-export that Megatron-LM binds into `config.finalize_model_grads_func`) runs
   Megatron's own finalize with every argument passed through unchanged (its signature

@@ -1,4 +1,4 @@
-"""TP-invariant mode: the same bits for TP = 1, 2, 4 (DESIGN.md section 7).
+"""TP-invariant mode: the same bits for TP = 1, 2, 4 (docs/architecture.md section 7).
 
 Plain modules, installed by the `tp_invariant` patch:
 - `collectives`: gather-to-logical / local-slice autograd duals and an exact row reduction;

@@ -1,4 +1,4 @@
-"""The LoRA adapter of one Megatron tensor-parallel linear layer (DESIGN.md section 4).
+"""The LoRA adapter of one Megatron tensor-parallel linear layer (docs/architecture.md section 4).
 
 | layer           | A (r x in)            | B (out x r)            |
 |-----------------|-----------------------|------------------------|

@@ -1,6 +1,6 @@
 """LoRA configuration: a dataclass for code, `from_env()` for the zero-change launch.
 
-Precedence (DESIGN.md section 3): an explicit `LoraConfig` given to `set_active()`
+Precedence (docs/architecture.md section 3): an explicit `LoraConfig` given to `set_active()`
 beats the environment, which beats the defaults. Within the environment, the single
 variables (`MEGATRON_LORA_RANK`, ...) beat the file named by `MEGATRON_LORA_CONFIG`
 (TOML or JSON, keys are the dataclass field names).

@@ -1,4 +1,4 @@
-"""SUM the gradients of replicated LoRA factors over their shard domain (DESIGN.md section 4).
+"""SUM the gradients of replicated LoRA factors over their shard domain (docs/architecture.md section 4).
 
 A replicated factor (column A, row B, and their expert twins) holds the same logical
 tensor on every rank of its domain (dense TP or expert TP), but each rank only sees the
