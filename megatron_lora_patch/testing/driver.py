@@ -20,9 +20,8 @@ from megatron_lora_patch.testing import data as testing_data
 from megatron_lora_patch.testing.pretrain import PER_TOKEN, forward_step_for
 from megatron_lora_patch.testing.rank import to_cpu
 
-#: Sentinel for `finalize_model_grads_func`: resolve Megatron's function when the
-#: run starts (so a patch that wrapped `megatron.core.distributed.finalize_model_grads`
-#: is picked up, as Megatron-LM's `from megatron.core.distributed import ...` would).
+#: Sentinel for `finalize_model_grads_func`: resolve Megatron's function when the run starts, so a patch
+#: that wrapped `megatron.core.distributed.finalize_model_grads` is picked up, as Megatron-LM's would be.
 MEGATRON_FINALIZE = "megatron"
 
 ParamPredicate = Callable[[str, torch.nn.Parameter], bool]
@@ -299,7 +298,43 @@ def train_steps(spec, topology, settings: TrainSettings = TrainSettings()) -> di
         extra: whatever `capture.on_step_end` added
     """
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    run = _build_run(spec, topology, settings)
+    record = {
+        "coords": _rank_coordinates(),
+        "is_last_stage": parallel_state.is_pipeline_last_stage(),
+        "num_microbatches": run.num_microbatches,
+        "shards": {name: shard for name, (_, shard) in run.captured.items()},
+        "initial_params": {name: to_cpu(param) for name, (param, _) in run.captured.items()},
+        "steps": [],
+    }
+    try:
+        for step, global_batch in enumerate(_global_batches(spec, settings)):
+            step_record = _train_step(run, spec, settings, step, global_batch)
+            if settings.capture.on_step_end is not None:
+                settings.capture.on_step_end(step, step_record, run.chunks)
+            record["steps"].append(step_record)
+    finally:
+        run.recorder.remove()
+    return record
+
+
+@dataclasses.dataclass
+class _Run:
+    """What every step of one `train_steps` call uses: the wrapped chunks and what drives them."""
+
+    chunks: list
+    optimizer: Any
+    captured: Dict[str, tuple]
+    recorder: Any
+    forward_step: Callable
+    microbatch_losses: List[dict]
+    num_microbatches: int
+
+
+def _build_run(spec, topology, settings: TrainSettings) -> _Run:
+    """Build the model (DDP-wrapped like `get_model`), its optimizer and the step's recorders."""
+    from megatron.core import parallel_state
 
     from megatron_lora_patch.testing.models import build_model
 
@@ -313,66 +348,52 @@ def train_steps(spec, topology, settings: TrainSettings = TrainSettings()) -> di
     config = chunks[0].config
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = _resolve_finalize(settings.finalize_model_grads_func)
-
-    model = _single_chunk(chunks)
-    captured = _captured_params(chunks, settings.capture.params)
-    recorder = _ForwardRecorder(model, settings.capture.forward)
-    forward_backward = get_forward_backward_func()
-    microbatch_losses: List[dict] = []
-    forward_step = _recording_losses(forward_step_for(settings.loss_variant), microbatch_losses)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
-    num_microbatches = testing_data.num_microbatches_for(
-        settings.global_batch_size, settings.micro_batch_size, dp_size
+    losses: List[dict] = []
+    return _Run(
+        chunks=chunks,
+        optimizer=optimizer,
+        captured=_captured_params(chunks, settings.capture.params),
+        recorder=_ForwardRecorder(_single_chunk(chunks), settings.capture.forward),
+        forward_step=_recording_losses(forward_step_for(settings.loss_variant), losses),
+        microbatch_losses=losses,
+        num_microbatches=testing_data.num_microbatches_for(
+            settings.global_batch_size, settings.micro_batch_size, parallel_state.get_data_parallel_world_size()
+        ),
     )
-    record = {
-        "coords": _rank_coordinates(),
-        "is_last_stage": parallel_state.is_pipeline_last_stage(),
-        "num_microbatches": num_microbatches,
-        "shards": {name: shard for name, (_, shard) in captured.items()},
-        "initial_params": {name: to_cpu(param) for name, (param, _) in captured.items()},
-        "steps": [],
+
+
+def _train_step(run: _Run, spec, settings: TrainSettings, step: int, global_batch: testing_data.Batch) -> dict:
+    """One optimizer step on this DP rank's microbatches of `global_batch`; the step's record."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    microbatches = testing_data.dp_rank_microbatches(global_batch, dp_rank, dp_size, settings.micro_batch_size)
+    run.microbatch_losses.clear()
+    for chunk in run.chunks:
+        chunk.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    reports = get_forward_backward_func()(
+        forward_step_func=run.forward_step,
+        data_iterator=iter(microbatches),
+        model=run.chunks,
+        num_microbatches=run.num_microbatches,
+        seq_length=spec.seq_length,
+        micro_batch_size=settings.micro_batch_size,
+        decoder_seq_length=spec.seq_length,
+        forward_only=False,
+    )
+    # Clone now: the optimizer clips these very tensors in place.
+    grads = {name: to_cpu(_grad_of(param)) for name, (param, _) in run.captured.items()}
+    update_successful, grad_norm, _ = run.optimizer.step()
+    keep_params = step == settings.steps - 1 or settings.capture.params_every_step
+    return {
+        "microbatches": list(run.microbatch_losses),
+        "lm_loss": _reduced_lm_loss(reports),
+        "grad_norm": None if grad_norm is None else float(grad_norm),
+        "update_successful": bool(update_successful),
+        "grads": grads,
+        "params": {name: to_cpu(param) for name, (param, _) in run.captured.items()} if keep_params else {},
+        "forward": run.recorder.take(),
+        "extra": {},
     }
-    try:
-        for step, global_batch in enumerate(_global_batches(spec, settings)):
-            microbatches = testing_data.dp_rank_microbatches(
-                global_batch, dp_rank, dp_size, settings.micro_batch_size
-            )
-            microbatch_losses.clear()
-            for chunk in chunks:
-                chunk.zero_grad_buffer()
-            optimizer.zero_grad()
-            reports = forward_backward(
-                forward_step_func=forward_step,
-                data_iterator=iter(microbatches),
-                model=chunks,
-                num_microbatches=num_microbatches,
-                seq_length=spec.seq_length,
-                micro_batch_size=settings.micro_batch_size,
-                decoder_seq_length=spec.seq_length,
-                forward_only=False,
-            )
-            # Clone now: the optimizer clips these very tensors in place.
-            grads = {name: to_cpu(_grad_of(param)) for name, (param, _) in captured.items()}
-            update_successful, grad_norm, _ = optimizer.step()
-            last = step == settings.steps - 1
-            step_record = {
-                "microbatches": list(microbatch_losses),
-                "lm_loss": _reduced_lm_loss(reports),
-                "grad_norm": None if grad_norm is None else float(grad_norm),
-                "update_successful": bool(update_successful),
-                "grads": grads,
-                "params": (
-                    {name: to_cpu(param) for name, (param, _) in captured.items()}
-                    if last or settings.capture.params_every_step
-                    else {}
-                ),
-                "forward": recorder.take(),
-                "extra": {},
-            }
-            if settings.capture.on_step_end is not None:
-                settings.capture.on_step_end(step, step_record, chunks)
-            record["steps"].append(step_record)
-    finally:
-        recorder.remove()
-    return record
