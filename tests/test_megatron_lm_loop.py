@@ -5,7 +5,7 @@ on five topologies -> resume on another TP -> export -> peft.
 started with `torchrun` and Megatron-LM's own arguments; only the environment differs
 between runs. A base is pretrained without the LoRA plugin (the CPU testbed alone, from
 `loop_testbed/sitecustomize.py`), then fine-tuned from that checkpoint with
-`MEGATRON_PLUGINS=lora_correct` (+ the CPU testbed patch). Tolerances are the oracle's
+`MEGATRON_PLUGINS=lora_correct,cpu_testbed` (the CPU testbed plugin runs Megatron on CPU). Tolerances are the oracle's
 fp32 thresholds (`oracle.thresholds`), the negative control is one training step.
 """
 
@@ -29,7 +29,6 @@ if importlib.util.find_spec("megatron.training") is None:
 
 from conftest import clean_environ  # noqa: E402
 
-from megatron_lora_patch import flags  # noqa: E402
 from megatron_lora_patch.lora import checkpoint_source  # noqa: E402
 from megatron_lora_patch.lora.init import logical_factors  # noqa: E402
 from megatron_lora_patch.lora.config import LoraConfig  # noqa: E402
@@ -77,8 +76,7 @@ TOPOLOGIES = {  # name -> (extra arguments, ranks, data-parallel size)
     "dp2-distopt": (["--use-distributed-optimizer"], 2, 2),
 }
 LORA_ENV = {
-    "MEGATRON_PLUGINS": "lora_correct",
-    flags.PATCH_VARIABLE_PREFIX + "CPU_COMPAT": "1",
+    "MEGATRON_PLUGINS": "lora_correct,cpu_testbed",  # cpu_testbed: its cpu_compat patch, Megatron on CPU
     "MEGATRON_LORA_RANK": str(LORA_RANK),
 }
 TESTBED_ENV = {"PYTHONPATH": str(TESTBED)}
