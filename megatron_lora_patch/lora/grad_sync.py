@@ -7,7 +7,7 @@ gradient is the SUM of those partials: never an average, never skipped. Sharded 
 and non-adapter parameters are left to Megatron's own DP / expert-DP sync.
 
 This is plain LoRA math over real process groups; the `finalize_grads` patch runs it
-right after Megatron's `finalize_model_grads`.
+right after Megatron's `finalize_model_grads` (`lora.finalize`).
 """
 
 from __future__ import annotations
