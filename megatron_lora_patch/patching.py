@@ -32,7 +32,7 @@ class PatchSpec:
     CI runs). Its environment flag is `flags.patch_variable(name)`.
 
     What a patch really changed is what its `Patcher` recorded (`Patcher.targets`), which
-    `status` shows once applied; `targets` is only a hint shown before that.
+    `status` shows once applied; before that it shows the hook modules (`target_text`).
     """
 
     name: str
@@ -40,11 +40,11 @@ class PatchSpec:
     hooks: Mapping[str, PatchHook]
     versions: str
     default: bool
-    targets: tuple[str, ...] = ()  # hint until applied; defaults to the hook modules
 
     @property
     def target_text(self) -> str:
-        return ", ".join(self.targets or tuple(self.hooks))
+        """The hook modules, what `status` shows until the patch has applied."""
+        return ", ".join(self.hooks)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """`lora_linear`: LoRA adapters on Megatron's tensor-parallel linear layers (docs/architecture.md section 4).
 
-Targets:
+Targets (the hooks are `megatron_lora_patch.lora.hooks`):
 - `megatron.core.tensor_parallel.layers`: the layer `forward`s announce their adapter
   and the module-global linear functions add the LoRA term on the base layer's own
   collectives (see `megatron_lora_patch.lora.linear` for why this hook point).
@@ -25,106 +25,21 @@ Targets:
 
 from __future__ import annotations
 
+from megatron_lora_patch.lora import hooks
 from megatron_lora_patch.patching import PatchSpec
-
-LINEAR_FUNCTIONS = ("linear_with_frozen_weight", "linear_with_grad_accumulation_and_async_allreduce")
-
-
-def _patch_layers(patcher, layers) -> None:
-    from megatron_lora_patch.lora.linear import layer_forward, linear_call
-
-    for function_name in LINEAR_FUNCTIONS:
-        patcher.wrap(layers, function_name, linear_call)
-    patcher.wrap(layers.ColumnParallelLinear, "forward", layer_forward)
-    patcher.wrap(layers.RowParallelLinear, "forward", layer_forward)
-
-
-def _copy_adapter_metadata(wrapped, instance, args, kwargs):
-    """Megatron's mixed-precision optimizers copy a param's TP attributes onto its fp32 main
-    copy; the adapter metadata travels with them, because grad-norm code reads it there."""
-    from megatron_lora_patch.lora.metadata import adapter_info, tag
-
-    result = wrapped(*args, **kwargs)
-    destination, source = (list(args) + [kwargs.get("destination_tensor"), kwargs.get("source_tensor")])[:2]
-    info = adapter_info(source)
-    if info is not None:
-        tag(destination, info)
-    return result
-
-
-def _patch_tensor_parallel(patcher, tensor_parallel) -> None:
-    # The optimizers call it as `tensor_parallel.copy_tensor_model_parallel_attributes`.
-    patcher.wrap(tensor_parallel, "copy_tensor_model_parallel_attributes", _copy_adapter_metadata)
-
-
-def _attach_after_init(wrapped, instance, args, kwargs):
-    from megatron_lora_patch.lora.attach import attach_adapters
-
-    wrapped(*args, **kwargs)
-    attach_adapters(instance)
-
-
-def _patch_gpt_model(patcher, gpt_model) -> None:
-    patcher.wrap(gpt_model.GPTModel, "__init__", _attach_after_init)
-
-
-def _patch_hybrid_model(patcher, hybrid_model) -> None:
-    """`HybridModel` (0.18+; `MambaModel` derives from it) gets its adapters like `GPTModel`."""
-    patcher.wrap(hybrid_model.HybridModel, "__init__", _attach_after_init)
-
-
-def _patch_mamba_model(patcher, mamba_model) -> None:
-    """`MambaModel` up to 0.17 (its own class then; from 0.18 a `HybridModel`, attached through that hook)."""
-    if not any(base.__name__ == "HybridModel" for base in mamba_model.MambaModel.__mro__):
-        patcher.wrap(mamba_model.MambaModel, "__init__", _attach_after_init)
-
-
-def _patch_transformer_block(patcher, transformer_block) -> None:
-    from megatron_lora_patch.lora.recompute import checkpointed_forward
-
-    if hasattr(transformer_block.TransformerBlock, "_checkpointed_forward"):  # up to 0.17
-        patcher.wrap(transformer_block.TransformerBlock, "_checkpointed_forward", checkpointed_forward)
-    else:  # 0.18+: `megatron.core.recompute.checkpointed_forward`, imported by name
-        patcher.wrap(transformer_block, "checkpointed_forward", checkpointed_forward)
-
-
-def _patch_hybrid_block(patcher, hybrid_block) -> None:
-    from megatron_lora_patch.lora.recompute import checkpointed_forward
-
-    patcher.wrap(hybrid_block, "checkpointed_forward", checkpointed_forward)
-
-
-TE_FORWARDS = {
-    "TELinear": "linear_forward",
-    "TELayerNormColumnParallelLinear": "layernorm_linear_forward",
-    "TEGroupedLinear": "grouped_linear_forward",
-}
-
-
-def _patch_transformer_engine(patcher, extensions) -> None:
-    """Wrap the TE linears' forwards; nothing to do where TE is absent (the names are stubs then)."""
-    if not getattr(extensions, "HAVE_TE", False):
-        return
-    from megatron_lora_patch.lora import te
-
-    for class_name, wrapper_name in TE_FORWARDS.items():
-        cls = getattr(extensions, class_name, None)
-        if isinstance(cls, type):
-            patcher.wrap(cls, "forward", getattr(te, wrapper_name))
-
 
 SPEC = PatchSpec(
     name="lora_linear",
     summary="LoRA adapters on Column/RowParallelLinear riding the base layer's collectives; base frozen",
     hooks={
-        "megatron.core.tensor_parallel.layers": _patch_layers,
-        "megatron.core.tensor_parallel": _patch_tensor_parallel,
-        "megatron.core.models.gpt.gpt_model": _patch_gpt_model,
-        "megatron.core.models.hybrid.hybrid_model": _patch_hybrid_model,
-        "megatron.core.models.mamba.mamba_model": _patch_mamba_model,
-        "megatron.core.transformer.transformer_block": _patch_transformer_block,
-        "megatron.core.models.hybrid.hybrid_block": _patch_hybrid_block,
-        "megatron.core.extensions.transformer_engine": _patch_transformer_engine,
+        "megatron.core.tensor_parallel.layers": hooks.patch_layers,
+        "megatron.core.tensor_parallel": hooks.patch_tensor_parallel,
+        "megatron.core.models.gpt.gpt_model": hooks.patch_gpt_model,
+        "megatron.core.models.hybrid.hybrid_model": hooks.patch_hybrid_model,
+        "megatron.core.models.mamba.mamba_model": hooks.patch_mamba_model,
+        "megatron.core.transformer.transformer_block": hooks.patch_transformer_block,
+        "megatron.core.models.hybrid.hybrid_block": hooks.patch_hybrid_block,
+        "megatron.core.extensions.transformer_engine": hooks.patch_transformer_engine,
     },
     versions=">=0.13,<0.20",
     default=True,

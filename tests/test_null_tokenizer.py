@@ -29,6 +29,7 @@ from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
 
 import megatron_lm_null_tokenizer as doubles
 from megatron_lora_patch import flags as flags_module
+from megatron_lora_patch import null_tokenizer_eod
 from megatron_lora_patch import plugin
 from megatron_lora_patch.patches import null_tokenizer as patch
 from megatron_lora_patch.runtime import Runtime, SkipPatch
@@ -223,9 +224,9 @@ def test_class_already_counting_eod_is_reported_upstream(runtime, training_modul
 
 
 def test_convention_probe():
-    assert patch.require_eod_outside_vocab(doubles._NullTokenizer, "legacy") is None
+    assert null_tokenizer_eod.require_eod_outside_vocab(doubles._NullTokenizer, "legacy") is None
     with pytest.raises(SkipPatch, match=r"^already upstream: upstream\(8\) has vocab_size 8 and eod 7$"):
-        patch.require_eod_outside_vocab(doubles.EodInVocabNullTokenizer, "upstream")
+        null_tokenizer_eod.require_eod_outside_vocab(doubles.EodInVocabNullTokenizer, "upstream")
 
     class PadAtEnd(doubles._NullTokenizer):
         @property
@@ -233,7 +234,7 @@ def test_convention_probe():
             return self._ordinary_ids + 2
 
     with pytest.raises(RuntimeError, match=r"odd\(8\) has vocab_size 10 and eod 8, which is neither"):
-        patch.require_eod_outside_vocab(PadAtEnd, "odd")
+        null_tokenizer_eod.require_eod_outside_vocab(PadAtEnd, "odd")
 
 
 @pytest.mark.skipif(not CORE_UPSTREAM, reason="not applicable to this Megatron-Core: its NullTokenizer keeps EOD outside")

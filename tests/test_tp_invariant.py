@@ -223,7 +223,8 @@ def test_tp4_bitwise_equal_to_tp1(topology):
 
 
 def test_apply_and_revert_restore_megatron_exactly():
-    """Every target is wrapped while on (status 'applied') and is the original object again after revert."""
+    """Every target is wrapped while on (status 'applied') and is the original object again after revert;
+    the grad-sync strategy (dense factors complete, no TP SUM) is declared while on and undone by revert."""
     import megatron_lora_patch
     from megatron_lora_patch.plugin import PATCH_MODULES
 
@@ -241,7 +242,7 @@ def test_apply_and_revert_restore_megatron_exactly():
         (vars(tensor_parallel), "vocab_parallel_cross_entropy"),
         (vars(language_module), "fused_vocab_parallel_cross_entropy"),
         (vars(optimizer.MegatronOptimizer), "get_grad_norm"), (vars(optimizer.MegatronOptimizer), "clip_grad_norm"),
-        (vars(optimizer.ChainedOptimizer), "get_grad_norm"), (vars(grad_sync), "replicated_adapter_params"),
+        (vars(optimizer.ChainedOptimizer), "get_grad_norm"),
     ]
     originals = [namespace[name] for namespace, name in targets]
     try:
@@ -251,6 +252,8 @@ def test_apply_and_revert_restore_megatron_exactly():
         row = next(row for row in megatron_lora_patch.status() if row.patch == "tp_invariant")
         assert row.state == "applied"
         assert all(namespace[name] is not original for (namespace, name), original in zip(targets, originals))
+        assert grad_sync.set_complete_domains(frozenset({"tp"})) == {"tp"}
     finally:
         megatron_lora_patch.revert()
     assert all(namespace[name] is original for (namespace, name), original in zip(targets, originals))
+    assert grad_sync.set_complete_domains(frozenset()) == frozenset()

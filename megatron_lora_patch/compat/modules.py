@@ -81,3 +81,29 @@ def install_clip_grads(patcher, clip_grads_module) -> None:
         clip_grads_on_host(clip_grads_module),
         reexported_by=("megatron.core.optimizer.optimizer",),
     )
+
+
+def install_host_device(patcher, megatron_core) -> None:
+    """torch.cuda current device / streams / synchronize and `device="cuda"` mean the CPU."""
+    from megatron_lora_patch.compat import host_device
+
+    host_device.install(patcher)
+
+
+def install_host_rng(patcher, random_module) -> None:
+    """CUDA RNG tracker states are CPU generator states; recompute runs under the host mapping."""
+    from megatron_lora_patch.compat import host_device, rng
+
+    rng.install(patcher, random_module)
+    host_device.install_recompute(patcher, random_module)
+
+
+def install_dispatcher_stream(patcher, token_dispatcher_module) -> None:
+    """Forget the class-level DtoH stream (a host stream while patched) on revert.
+
+    0.15+ create `MoEAlltoAllTokenDispatcher.cuda_dtoh_stream` once per class; recording
+    its current value makes revert restore it, so no host stream outlives the patch.
+    """
+    dispatcher = token_dispatcher_module.MoEAlltoAllTokenDispatcher
+    if "cuda_dtoh_stream" in vars(dispatcher):
+        patcher.replace(dispatcher, "cuda_dtoh_stream", vars(dispatcher)["cuda_dtoh_stream"])

@@ -7,7 +7,7 @@ gradient is the SUM of those partials: never an average, never skipped. Sharded 
 and non-adapter parameters are left to Megatron's own DP / expert-DP sync.
 
 This is plain LoRA math over real process groups; the `finalize_grads` patch runs it
-right after Megatron's `finalize_model_grads`.
+right after Megatron's `finalize_model_grads` (`lora.finalize`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,18 @@ BucketKey = Tuple[Tuple[int, ...], str, torch.dtype, torch.device]  # (domain ra
 #: model chunk -> (metadata generation, its replicated adapter factors in model order): one walk over
 #: the chunk's parameters per set of adapters, not per step (`metadata.generation` moves on every tag).
 _REPLICATED_OF_CHUNK: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+#: Domains ("tp", "etp") whose replicated factors already hold their complete grad on every rank, so they
+#: leave the SUM (which would multiply them by the domain size): the TP-invariant linears compute the LoRA
+#: branch at full width on every TP rank and declare "tp" through `set_complete_domains`.
+_complete_domains: frozenset = frozenset()
+
+
+def set_complete_domains(domains: Iterable[str]) -> frozenset:
+    """Declare the domains whose replicated factors need no SUM; returns the previous declaration."""
+    global _complete_domains
+    previous, _complete_domains = _complete_domains, frozenset(domains)
+    return previous
 
 
 def grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -76,7 +88,8 @@ def replicated_adapter_params(model_chunks: Iterable[torch.nn.Module]) -> Iterat
                 )
             if info.group is None or torch.distributed.get_world_size(info.group) == 1:
                 continue
-            yield param, info
+            if info.domain not in _complete_domains:
+                yield param, info
 
 
 def bucket_replicated_adapter_grads(model_chunks: Iterable[torch.nn.Module]) -> Dict[BucketKey, Tuple[Any, List[torch.Tensor]]]:
