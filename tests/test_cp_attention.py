@@ -26,7 +26,8 @@ import torch
 from error_metrics import relative_l2_error
 from megatron_lora_patch.testing.driver import Capture, TrainSettings
 from megatron_lora_patch.testing.models import TinyGPTSpec
-from megatron_lora_patch.testing.runner import Job, canonical_result, compare_results, run_jobs
+from megatron_lora_patch.oracle.metrics import compare_results
+from megatron_lora_patch.testing.runner import Job, canonical_result, run_jobs
 
 #: fp32 tolerance (relative L2 per tensor, worst over tensors, microbatches and steps) on
 #: everything computed before the first optimizer update (first-step losses, grad norm and

@@ -21,7 +21,8 @@ from megatron_lora_patch.testing.data import dp_rank_microbatches, make_global_b
 from megatron_lora_patch.testing.driver import TrainSettings
 from megatron_lora_patch.testing.models import TinyGPTSpec
 from megatron_lora_patch.testing.pretrain import LEGACY_MEAN
-from megatron_lora_patch.testing.runner import Job, canonical_result, compare_results, run_jobs
+from megatron_lora_patch.oracle.metrics import compare_results
+from megatron_lora_patch.testing.runner import Job, canonical_result, run_jobs
 
 #: fp32 tolerance on every phase (relative L2 per tensor, worst over tensors and steps).
 #: Measured worst: 1.4e-6 (grads of step 2 on TP2+SP / ETP2: reduction-order noise of step 1

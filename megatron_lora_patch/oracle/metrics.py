@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Mapping, Optional
+from typing import Dict, Mapping, Optional
 
 import torch
 
@@ -87,3 +87,28 @@ def compare_scalars(actual: Mapping[str, float], expected: Mapping[str, float], 
 def worst_ratio(phases: Mapping[str, Optional[PhaseMetrics]]) -> float:
     ratios = [metrics.ratio for metrics in phases.values() if metrics is not None]
     return max(ratios, key=lambda r: (r != r, r)) if ratios else float("nan")
+
+
+def compare_results(result: dict, reference: dict) -> Dict[str, float]:
+    """Worst relative error per phase between two canonical results (`testing.runner.canonical_result`).
+
+    Phases: 'loss' (per-microbatch values), 'lm_loss', 'grad_norm', 'grads', 'params'.
+    Raises if the two do not hold the same tensors (a layout bug must not pass silently).
+    """
+    worst = {"loss": 0.0, "lm_loss": 0.0, "grad_norm": 0.0, "grads": 0.0, "params": 0.0}
+    if len(result["steps"]) != len(reference["steps"]):
+        raise ValueError(f"{len(result['steps'])} steps vs {len(reference['steps'])} in the reference")
+    for got, want in zip(result["steps"], reference["steps"]):
+        if [sorted(m) for m in got["microbatches"]] != [sorted(m) for m in want["microbatches"]]:
+            raise ValueError("microbatch losses differ in count or kind from the reference")
+        for got_mb, want_mb in zip(got["microbatches"], want["microbatches"]):
+            for key in want_mb:
+                worst["loss"] = max(worst["loss"], relative_error(torch.tensor(got_mb[key]), torch.tensor(want_mb[key])))
+        for key in ("lm_loss", "grad_norm"):
+            worst[key] = max(worst[key], relative_error(torch.tensor(got[key]), torch.tensor(want[key])))
+        for phase in ("grads", "params"):
+            if set(got[phase]) != set(want[phase]):
+                raise ValueError(f"{phase}: parameter sets differ: {sorted(set(got[phase]) ^ set(want[phase]))}")
+            for name, tensor in want[phase].items():
+                worst[phase] = max(worst[phase], relative_error(got[phase][name], tensor))
+    return worst

@@ -17,7 +17,6 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_lora_patch.oracle.metrics import relative_error
 from megatron_lora_patch.testing.data import num_microbatches_for
 from megatron_lora_patch.testing.driver import TrainSettings, train_steps
 from megatron_lora_patch.testing.launcher import run_world
@@ -187,28 +186,3 @@ def canonical_result(records: List[dict], spec, shapes: Optional[Dict[str, tuple
             }
         )
     return {"initial_params": _assemble(records, "initial_params", None, shapes), "steps": steps}
-
-
-def compare_results(result: dict, reference: dict) -> Dict[str, float]:
-    """Worst relative error per phase between two canonical results (same steps and names).
-
-    Phases: 'loss' (per-microbatch values), 'lm_loss', 'grad_norm', 'grads', 'params'.
-    Raises if the two do not hold the same tensors (a layout bug must not pass silently).
-    """
-    worst = {"loss": 0.0, "lm_loss": 0.0, "grad_norm": 0.0, "grads": 0.0, "params": 0.0}
-    if len(result["steps"]) != len(reference["steps"]):
-        raise ValueError(f"{len(result['steps'])} steps vs {len(reference['steps'])} in the reference")
-    for got, want in zip(result["steps"], reference["steps"]):
-        if [sorted(m) for m in got["microbatches"]] != [sorted(m) for m in want["microbatches"]]:
-            raise ValueError("microbatch losses differ in count or kind from the reference")
-        for got_mb, want_mb in zip(got["microbatches"], want["microbatches"]):
-            for key in want_mb:
-                worst["loss"] = max(worst["loss"], relative_error(torch.tensor(got_mb[key]), torch.tensor(want_mb[key])))
-        for key in ("lm_loss", "grad_norm"):
-            worst[key] = max(worst[key], relative_error(torch.tensor(got[key]), torch.tensor(want[key])))
-        for phase in ("grads", "params"):
-            if set(got[phase]) != set(want[phase]):
-                raise ValueError(f"{phase}: parameter sets differ: {sorted(set(got[phase]) ^ set(want[phase]))}")
-            for name, tensor in want[phase].items():
-                worst[phase] = max(worst[phase], relative_error(got[phase][name], tensor))
-    return worst
