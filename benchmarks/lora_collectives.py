@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from megatron_lora_patch.testing.launcher import run_world
+from megatron_lora_patch.proof.testbed.launcher import run_world
 
 SEQ, BATCH, HIDDEN, FFN = 16, 2, 64, 128
 VARIANTS = ("frozen", "full", "lora-keep", "lora-regather", "te-branch")
@@ -111,7 +111,7 @@ class CollectiveCounter:
 
 
 def _apply_patches() -> None:
-    from megatron_lora_patch.testing.patches import apply_only
+    from megatron_lora_patch.proof.testbed.patches import apply_only
 
     apply_only(("cpu_compat", "lora_linear"))
 
@@ -168,7 +168,7 @@ class _TEBranch(torch.nn.Module):
 
 def count_collectives(rank: int, world: int) -> dict:
     """Per (setting, layer, variant): the collectives of one forward + backward."""
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     _apply_patches()
     figures = {}
@@ -199,8 +199,8 @@ def step_times(rank: int, world: int, hidden: int, seq: int, steps: int) -> dict
     from torch.utils.flop_counter import FlopCounterMode
 
     from megatron_lora_patch.lora import config as lora_config
-    from megatron_lora_patch.testing.models import TinyGPTSpec, build_model
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.models import TinyGPTSpec, build_model
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     _apply_patches()
     spec = TinyGPTSpec(

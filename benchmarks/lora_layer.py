@@ -28,7 +28,7 @@ import torch
 
 
 def _apply_patches() -> None:
-    from megatron_lora_patch.testing.patches import apply_only
+    from megatron_lora_patch.proof.testbed.patches import apply_only
 
     apply_only(("cpu_compat", "lora_linear"))
 
@@ -96,7 +96,7 @@ def measure(hidden: int, rank: int, tokens: int, reps: int) -> dict:
 
 def measure_all(rank: int, world_size: int, hiddens: list, ranks: list, tokens: int, reps: int, threads: int) -> list:
     """In the world-size-1 rank: (hidden, r, figures) for every pair size and LoRA rank."""
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     torch.set_num_threads(threads)
     _apply_patches()
@@ -105,7 +105,7 @@ def measure_all(rank: int, world_size: int, hiddens: list, ranks: list, tokens: 
 
 
 def main() -> None:
-    from megatron_lora_patch.testing.launcher import run_world
+    from megatron_lora_patch.proof.testbed.launcher import run_world
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", default="1024,2048", help="comma list of hidden sizes")

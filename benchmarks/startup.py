@@ -20,15 +20,15 @@ import subprocess
 import tempfile
 import time
 
-from megatron_lora_patch.testing import wheel_env
+from megatron_lora_patch.proof.testbed import wheel_env
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 APPLY_TIMING = """
 import time, importlib
 import megatron_lora_patch
-from megatron_lora_patch import plugin
-for name in plugin.PATCH_MODULES:
+from megatron_lora_patch import lora_correct
+for name in lora_correct.PATCH_MODULES:
     for module in importlib.import_module('megatron_lora_patch.patches.' + name).SPEC.hooks:
         try:
             importlib.import_module(module)

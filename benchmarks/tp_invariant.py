@@ -26,7 +26,7 @@ import resource
 import statistics
 import time
 
-from megatron_lora_patch.testing.launcher import run_world
+from megatron_lora_patch.proof.testbed.launcher import run_world
 
 PATCHES = ("cpu_compat", "lora_linear", "finalize_grads", "loss_normalization")
 MODES = (("default", False), ("tp_invariant", True))
@@ -63,9 +63,9 @@ def _train(spec, topology_text, invariant, steps) -> tuple:
     """One training run of `steps` steps in one mode: (record, time the run started)."""
     import megatron_lora_patch
     from megatron_lora_patch.lora.config import LoraConfig, set_active
-    from megatron_lora_patch.testing.driver import Capture, TrainSettings, train_steps
-    from megatron_lora_patch.testing.patches import apply_only
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings, train_steps
+    from megatron_lora_patch.proof.testbed.patches import apply_only
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     wanted = set(PATCHES) | ({"tp_invariant"} if invariant else set())
     apply_only(wanted)
@@ -120,7 +120,7 @@ def _summary(runs: list, warmup: int) -> dict:
 
 
 def main() -> None:
-    from megatron_lora_patch.testing.models import TinyGPTSpec
+    from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run")

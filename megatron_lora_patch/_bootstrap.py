@@ -2,7 +2,7 @@
 
 Standard library only (interpreter start-up must stay cheap): it installs a one-shot
 meta-path finder that waits for the first `import megatron` and then hands over to
-`megatron_lora_patch.runtime.activate_from_env`, which loads the named plugins and
+`megatron_lora_patch.registry.activate_from_env`, which loads the named plugins and
 registers wrapt post-import hooks for their target modules (`megatron` is a namespace
 package, so the hand-over happens when it is looked up, not after it executes).
 
@@ -32,9 +32,9 @@ class _MegatronWatcher:
 
 
 def activate() -> None:
-    from megatron_lora_patch import runtime
+    from megatron_lora_patch import registry
 
-    runtime.activate_from_env()
+    registry.activate_from_env()
 
 
 def install() -> None:

@@ -18,8 +18,8 @@ from megatron_lora_patch import errors
 SUBCOMMANDS = (
     "megatron_lora_patch.cli_status",
     "megatron_lora_patch.cli_export",
-    "megatron_lora_patch.oracle.command",
-    "megatron_lora_patch.oracle.preflight",
+    "megatron_lora_patch.proof.oracle.command",
+    "megatron_lora_patch.proof.oracle.preflight",
 )
 
 

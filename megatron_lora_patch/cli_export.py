@@ -30,7 +30,7 @@ def run_export(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         # Megatron's import-time notices (no Transformer Engine / Apex) are noise for a file conversion.
         warnings.simplefilter("ignore")
-        from megatron_lora_patch.lora.exchange import CLI_NAMES, export_peft
+        from megatron_lora_patch.lora.peft_io import CLI_NAMES, export_peft
 
         tensors = export_peft(args.checkpoint, args.out, args.family, overwrite=args.force, names=CLI_NAMES)
     print(f"wrote {len(tensors)} tensors to {args.out}")

@@ -27,11 +27,11 @@ def add_parser(commands) -> None:
 def run_status(args: argparse.Namespace) -> int:
     """Validate every flag (a mistake: one line, exit 2), apply in this process, import the
     targets, and show per patch what this process got and what a fresh training process would."""
-    from megatron_lora_patch import _bootstrap, runtime
+    from megatron_lora_patch import _bootstrap, registry
 
     env_plugins = flags.requested_plugins()
     plugins = flags.parse_names(args.plugins) if args.plugins is not None else env_plugins
-    installed = sorted(runtime.installed_plugins())
+    installed = sorted(registry.installed_plugins())
     hook = _bootstrap.startup_hook()
     if not plugins:
         message = (
@@ -45,9 +45,9 @@ def run_status(args: argparse.Namespace) -> int:
         else:
             print(message)
         return 0
-    runtime.apply(plugins)
-    error = None if args.no_import else runtime.get_runtime().import_targets()
-    rows = runtime.status()
+    registry.apply(plugins)
+    error = None if args.no_import else registry.get_runtime().import_targets()
+    rows = registry.status()
     fresh = [fresh_process_state(row, hook, env_plugins) for row in rows]
     if args.json:
         document = {

@@ -18,7 +18,7 @@ import types
 from typing import Any, Callable, Optional
 
 from megatron_lora_patch.patching import Patcher, inspect_static
-from megatron_lora_patch.runtime import SkipPatch
+from megatron_lora_patch.registry import SkipPatch
 
 CORE_MODULE = "megatron.core.tokenizers.text.libraries.null_tokenizer"
 CORE_WRAPPER_MODULE = "megatron.core.tokenizers.text.text_tokenizer"

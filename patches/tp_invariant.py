@@ -5,19 +5,19 @@ extended to the LoRA branch. Turn it on in every rank, before training, with
 `megatron_lora_patch.apply(..., enable={"tp_invariant": True})` or the environment
 variable `MEGATRON_LORA_PATCH_TP_INVARIANT=1`; it changes TP = 1 too (same code path).
 
-What it changes (`megatron_lora_patch.invariant` holds the math, `invariant.hooks` the hooks):
+What it changes (`megatron_lora_patch.tp_invariant` holds the math, `tp_invariant.hooks` the hooks):
 - `ColumnParallelLinear._forward_impl` / `RowParallelLinear._forward_impl`: full GEMMs in
   the world-size-1 order with gathered weights (row: input gathered along K), the LoRA
   branch at full width, local slice taken afterwards; the row output is contributed by TP
-  rank 0 only so Megatron's SUM over TP is exact (`invariant.linear`). Replaces the
+  rank 0 only so Megatron's SUM over TP is exact (`tp_invariant.linear`). Replaces the
   `lora_linear` adapter call inside those layers while on.
 - `MLP.__init__`: marks a gated (SwiGLU) fc1 so its `[gate_r; up_r]` shards are gathered
   into `[gate; up]` even where the weight's `partition_stride` is left at 1.
 - `tensor_parallel.vocab_parallel_cross_entropy` (module and package re-export) and the
   language module's `fused_vocab_parallel_cross_entropy`: gathered logits, one reduction
-  over the whole vocabulary (`invariant.loss`).
+  over the whole vocabulary (`tp_invariant.loss`).
 - `MegatronOptimizer.get_grad_norm` / `clip_grad_norm`, `ChainedOptimizer.get_grad_norm`:
-  float64 norm of the logical grads (`invariant.grad_norm`).
+  float64 norm of the logical grads (`tp_invariant.grad_norm`).
 - `lora.grad_sync.set_complete_domains({"tp"})` (a strategy, reset on revert): dense
   replicated factors leave the finalize SUM, because their grads are already complete on
   every rank (a SUM would multiply them by the TP size).
@@ -31,7 +31,7 @@ Megatron-Core >= 0.14, where `_forward_impl` is a method (0.12/0.13 reassign it 
 
 from __future__ import annotations
 
-from megatron_lora_patch.invariant import hooks
+from megatron_lora_patch.tp_invariant import hooks
 from megatron_lora_patch.patching import PatchSpec
 
 SPEC = PatchSpec(

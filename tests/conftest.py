@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron_lora_patch.testing import wheel_env
+from megatron_lora_patch.proof.testbed import wheel_env
 
 PLUGIN_FIXTURES = pathlib.Path(__file__).parent / "plugin_fixtures"
 REPO = pathlib.Path(__file__).parent.parent

@@ -15,8 +15,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-from megatron_lora_patch.oracle.metrics import compare_tensors
-from megatron_lora_patch.oracle.metrics import relative_error as relative_l2_error
+from megatron_lora_patch.proof.oracle.metrics import compare_tensors
+from megatron_lora_patch.proof.oracle.metrics import relative_error as relative_l2_error
 
 __all__ = [
     "FP32_EPS", "assert_all_within", "assert_errors_within", "fp32_sum_tolerance", "max_abs_error_over_max",

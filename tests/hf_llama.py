@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from megatron_lora_patch.lora.layouts import fc1_to_gate_up, qkv_mixed_to_separate
-from megatron_lora_patch.testing.models import TinyGPTSpec, logical_state_dict
+from megatron_lora_patch.proof.testbed.models import TinyGPTSpec, logical_state_dict
 
 MEGATRON_NORM_EPS = 1e-5  # TransformerConfig.layernorm_epsilon default
 MEGATRON_ROTARY_BASE = 10000.0  # GPTModel rotary_base default

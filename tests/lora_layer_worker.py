@@ -55,7 +55,7 @@ def _build(config, *, expert: bool, tp_group):
 
 def apply_lora_linear() -> None:
     """Only `cpu_compat` and `lora_linear` on: the layer tests see no other patch."""
-    from megatron_lora_patch.testing.patches import apply_only
+    from megatron_lora_patch.proof.testbed.patches import apply_only
 
     apply_only(("cpu_compat", "lora_linear"))
 
@@ -70,7 +70,7 @@ def check_layers(rank: int, world: int, topology_spec: str, expert: bool, sp_inp
     from megatron_lora_patch.lora.init import logical_factors
     from megatron_lora_patch.lora.layouts import shard
     from megatron_lora_patch.lora.metadata import adapter_info
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     apply_lora_linear()
     topology = Topology.parse(topology_spec)

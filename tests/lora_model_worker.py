@@ -16,7 +16,7 @@ import torch
 
 from error_metrics import max_abs_error_over_max
 from megatron_lora_patch.lora.config import LoraConfig
-from megatron_lora_patch.testing.models import TinyGPTSpec
+from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 
 DENSE = TinyGPTSpec()  # 4 heads, 2 query groups (GQA), SwiGLU
 MOE = TinyGPTSpec.moe()
@@ -32,7 +32,7 @@ PATCHES = ("cpu_compat", "lora_linear")
 
 def apply_patches() -> None:
     """Only `cpu_compat` and `lora_linear`: the findings depend on no other patch."""
-    from megatron_lora_patch.testing.patches import apply_only
+    from megatron_lora_patch.proof.testbed.patches import apply_only
 
     apply_only(PATCHES)
 
@@ -54,7 +54,7 @@ def batch(spec: TinyGPTSpec):
 def build(spec: TinyGPTSpec, topology, lora: LoraConfig = LORA, **overrides):
     """This rank's GPTModel; the patch attaches adapters configured by `lora` during construction."""
     from megatron_lora_patch.lora import config as lora_config
-    from megatron_lora_patch.testing.models import build_model
+    from megatron_lora_patch.proof.testbed.models import build_model
 
     lora_config.set_active(lora)
     try:
@@ -74,7 +74,7 @@ def adapter_shards(model) -> List[dict]:
     """Each adapter's local factors and where they sit (TP/expert-TP rank, B's stride)."""
     from megatron.core.utils import get_pg_rank, get_pg_size
 
-    from megatron_lora_patch.testing.shards import shard_of
+    from megatron_lora_patch.proof.testbed.shards import shard_of
 
     found = []
     for local_name, adapter in adapters(model).items():
@@ -117,7 +117,7 @@ def qkv_errors(model, spec: TinyGPTSpec) -> Dict[str, float]:
     """
     from megatron_lora_patch.lora.init import logical_factors
     from megatron_lora_patch.lora.layouts import qkv_mixed_to_separate
-    from megatron_lora_patch.testing.models import logical_state_dict
+    from megatron_lora_patch.proof.testbed.models import logical_state_dict
 
     attention = model.decoder.layers[0].self_attention
     seen = {}
@@ -162,7 +162,7 @@ def merged_error(model, spec: TinyGPTSpec, topology) -> float:
     (mixed QKV, SwiGLU `[gate_shard; up_shard]`) and A's columns on its input columns.
     """
     from megatron_lora_patch.lora.init import logical_factors
-    from megatron_lora_patch.testing.models import logical_state_dict
+    from megatron_lora_patch.proof.testbed.models import logical_state_dict
 
     merged = logical_state_dict(spec)
     for name, weight in merged.items():
@@ -278,7 +278,7 @@ def bad_config_messages(topology) -> Dict[str, str]:
 
 def dense_world(rank: int, world: int, topology_spec: str, spec_name: str = "DENSE") -> dict:
     """Every dense-model finding of one rank."""
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     apply_patches()
     spec = globals()[spec_name]
@@ -307,7 +307,7 @@ def dense_world(rank: int, world: int, topology_spec: str, spec_name: str = "DEN
 
 def moe_world(rank: int, world: int, topology_spec: str) -> dict:
     """MoE findings of one rank: adapter shards (global expert naming) and what DDP / optimizer hold."""
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     apply_patches()
     topology = Topology.parse(topology_spec)

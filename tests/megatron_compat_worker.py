@@ -11,7 +11,7 @@ from typing import Any, Dict
 
 import torch
 
-from megatron_lora_patch.testing import models
+from megatron_lora_patch.proof.testbed import models
 
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
@@ -97,8 +97,8 @@ def tp_invariant_loss_error(topology) -> float:
 def world1(rank: int, world_size: int) -> Dict[str, Any]:
     import megatron_lora_patch
     from megatron.core.model_parallel_config import ModelParallelConfig
-    from megatron_lora_patch.testing.data import cp_sequence_positions
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.data import cp_sequence_positions
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     megatron_lora_patch.apply(["lora_correct"], enable={"tp_invariant": True}, strict=True)
     spec = models.TinyGPTSpec(num_layers=4)

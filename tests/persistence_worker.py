@@ -25,7 +25,7 @@ def lora_config(seed: int, rank: int = 4, **options) -> LoraConfig:
 def setup(config: LoraConfig, patches=PATCHES) -> None:
     """Only the given patches on (the persistence tests see no other); adapters from `config`."""
     from megatron_lora_patch.lora.config import set_active
-    from megatron_lora_patch.testing.patches import apply_only
+    from megatron_lora_patch.proof.testbed.patches import apply_only
 
     apply_only(patches)
     set_active(config)
@@ -112,8 +112,8 @@ def expected_logical(spec, config: LoraConfig) -> Dict[str, Tuple[torch.Tensor, 
 def save_world(rank: int, world: int, topology: str, spec, seed: int, directory: str, patches=PATCHES) -> List[dict]:
     """Build with adapters of `seed`, write an adapter-only checkpoint; return the local adapters."""
     from megatron_lora_patch.lora.checkpoint import save_adapters
-    from megatron_lora_patch.testing.models import build_model
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.models import build_model
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     setup(lora_config(seed), patches)
     with Topology.parse(topology).world():
@@ -129,8 +129,8 @@ def load_world(rank: int, world: int, topology: str, spec, directories: List[str
     """
     from megatron_lora_patch.lora.checkpoint import load_adapters
     from megatron_lora_patch.lora.config import set_active
-    from megatron_lora_patch.testing.models import build_model
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.models import build_model
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     setup(lora_config(999))
     loaded, error = [], None
@@ -173,8 +173,8 @@ def export_and_merge_world(rank: int, world: int, topology: str, spec, seed: int
     (`options`: LoraConfig fields beyond the defaults, e.g. rsLoRA and rank / alpha patterns)."""
     from megatron_lora_patch.lora.checkpoint import save_adapters
     from megatron_lora_patch.lora.merge import merge_adapters, unmerge_adapters
-    from megatron_lora_patch.testing.models import build_model
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.models import build_model
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     setup(lora_config(seed, **(options or {})))
     with Topology.parse(topology).world():
@@ -199,9 +199,9 @@ def export_and_merge_world(rank: int, world: int, topology: str, spec, seed: int
 def import_and_save_world(rank: int, world: int, topology: str, spec, peft_dir: str, directory: str, options=None) -> List[dict]:
     """Import a PEFT adapter into fresh adapters (another seed; `options` as when exported) and write an adapter-only checkpoint."""
     from megatron_lora_patch.lora.checkpoint import save_adapters
-    from megatron_lora_patch.lora.exchange import import_peft
-    from megatron_lora_patch.testing.models import build_model
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.lora.peft_io import import_peft
+    from megatron_lora_patch.proof.testbed.models import build_model
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     setup(lora_config(999, **(options or {})))
     with Topology.parse(topology).world():
@@ -236,8 +236,8 @@ def overwrite_world(rank: int, world: int, topology: str, spec, seed: int, root:
 
     from megatron_lora_patch.errors import UsageError
     from megatron_lora_patch.lora.checkpoint import adapters_of, is_adapter_key, save_adapters
-    from megatron_lora_patch.testing.models import build_model
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.models import build_model
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     setup(lora_config(seed))
     paths = {name: os.path.join(root, name) for name in ("base", "adapters", "replaced")}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_lora_patch.testing.driver import TrainSettings
+from megatron_lora_patch.proof.testbed.driver import TrainSettings
 
 import persistence_worker
 
@@ -29,8 +29,8 @@ def _train_step(chunks, optimizer, spec, step: int) -> None:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_lora_patch.testing import data
-    from megatron_lora_patch.testing.pretrain import PER_TOKEN, forward_step_for
+    from megatron_lora_patch.proof.testbed import data
+    from megatron_lora_patch.proof.testbed.pretrain import PER_TOKEN, forward_step_for
 
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     global_batch = data.make_global_batch(SETTINGS.seed + step, SETTINGS.global_batch_size, spec.seq_length, spec.vocab_size)
@@ -64,9 +64,9 @@ def train_world(
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron_lora_patch.testing import driver
-    from megatron_lora_patch.testing.models import build_model
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed import driver
+    from megatron_lora_patch.proof.testbed.models import build_model
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     persistence_worker.setup(persistence_worker.lora_config(lora_seed), TRAINING_PATCHES)
     parsed = Topology.parse(topology)

@@ -1,4 +1,4 @@
-"""Context parallelism on the CPU testbed equals world size 1 (testing/cp_attention.py).
+"""Context parallelism on the CPU testbed equals world size 1 (proof/testbed/cp_attention.py).
 
 cp2 runs Megatron's load-balanced data split, Megatron's RoPE CP slicing and the
 testbed's CP core attention (K/V all-gathered over CP, reduce-scattered in backward),
@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from error_metrics import relative_l2_error
-from megatron_lora_patch.testing.driver import Capture, TrainSettings
-from megatron_lora_patch.testing.models import TinyGPTSpec
-from megatron_lora_patch.oracle.metrics import compare_results
-from megatron_lora_patch.testing.runner import Job, canonical_result, run_jobs
+from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings
+from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
+from megatron_lora_patch.proof.oracle.metrics import compare_results
+from megatron_lora_patch.proof.testbed.runner import Job, canonical_result, run_jobs
 
 #: fp32 tolerance (relative L2 per tensor, worst over tensors, microbatches and steps) on
 #: everything computed before the first optimizer update (first-step losses, grad norm and
@@ -39,7 +39,7 @@ TOLERANCE = 5e-6
 #: lr * sign(g), so a near-zero grad element that differs by an ulp moves its weight by a
 #: whole step, and the next step's grads inherit that. Measured worst: grads 8.7e-6 (cp2
 #: LoRA) and 3.0e-5 (tp2-cp2 LoRA, like the oracle's 4.1e-5 on tp2 alone), params 5.0e-6
-#: (tp2-cp2 LoRA). The oracle's fp32 grads threshold (oracle/thresholds.py), same reasoning.
+#: (tp2-cp2 LoRA). The oracle's fp32 grads threshold (proof/oracle/thresholds.py), same reasoning.
 AFTER_UPDATE_TOLERANCE = 1e-4
 #: Forward logits: same scores in the same order on every query row, so 1e-6 is generous.
 FORWARD_TOLERANCE = 1e-6
@@ -56,7 +56,7 @@ def _is_output_layer(name: str, module: torch.nn.Module) -> bool:
 
 def _record_cp_layout(seq_length: int, step: int, record: dict, chunks: list) -> None:
     """`on_step_end`: Megatron's CP positions of this rank and the core attention class used."""
-    from megatron_lora_patch.testing.data import cp_sequence_positions
+    from megatron_lora_patch.proof.testbed.data import cp_sequence_positions
 
     if step == 0:
         model = chunks[0]
@@ -100,7 +100,7 @@ def _broken_attention_classes() -> dict:
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megatron_lora_patch.testing.cp_attention import ContextParallelDotProductAttention
+    from megatron_lora_patch.proof.testbed.cp_attention import ContextParallelDotProductAttention
 
     class LocalKeysOnly(ContextParallelDotProductAttention):
         """Megatron's local attention with its cp == 1 assert removed: no K/V exchange."""
@@ -125,7 +125,7 @@ def _broken_attention_classes() -> dict:
 
 def swap_core_attention(variant: str, chunks: list) -> None:
     """`on_model_built`: make every layer's CP core attention the named broken variant."""
-    from megatron_lora_patch.testing.cp_attention import ContextParallelDotProductAttention
+    from megatron_lora_patch.proof.testbed.cp_attention import ContextParallelDotProductAttention
 
     broken = _broken_attention_classes()[variant]
     for chunk in chunks:
@@ -216,7 +216,7 @@ def test_cp_runs_the_testbed_attention_and_world1_megatrons(default_runs):
 
 def test_chunk_positions_are_megatrons_load_balanced_split(default_runs):
     """The attention's own chunk formula equals get_batch_on_this_cp_rank's split on every rank."""
-    from megatron_lora_patch.testing.cp_attention import cp_chunk_positions
+    from megatron_lora_patch.proof.testbed.cp_attention import cp_chunk_positions
 
     for record in default_runs["cp2"]:
         coords = record["coords"]

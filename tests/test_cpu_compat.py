@@ -7,9 +7,9 @@ import torch
 import pytest
 
 from error_metrics import relative_l2_error
-from megatron_lora_patch.testing.launcher import WorldError, run_world
-from megatron_lora_patch.testing.models import TinyGPTSpec, logical_shapes
-from megatron_lora_patch.testing.shards import assemble_logical
+from megatron_lora_patch.proof.testbed.launcher import WorldError, run_world
+from megatron_lora_patch.proof.testbed.models import TinyGPTSpec, logical_shapes
+from megatron_lora_patch.proof.testbed.shards import assemble_logical
 
 SPEC = TinyGPTSpec()
 ONLY_CPU_COMPAT = {"cpu_compat": True, "lora_linear": False, "finalize_grads": False, "loss_normalization": False}
@@ -122,8 +122,8 @@ def tp2_sp_grads(rank, world_size, topology_spec, skip_hook=None, strip_norm_tag
 
     from megatron_lora_patch.patches import cpu_compat
     from megatron_lora_patch.patching import Patcher
-    from megatron_lora_patch.testing import models, shards
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed import models, shards
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     patcher = Patcher()  # the patch's megatron.core hooks minus `skip_hook`, applied by hand
     for module_name, hook in cpu_compat.SPEC.hooks.items():
@@ -180,7 +180,7 @@ def test_tp2_sp_fails_without_the_torch_norm_fix():
 
 def recompute_allocating_on_cuda(rank: int, world_size: int) -> dict:
     """Megatron's full and selective recompute of a function that allocates on "cuda"."""
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     with Topology().world():
         from megatron.core.tensor_parallel import random
@@ -208,7 +208,7 @@ def test_activation_recompute_runs_on_the_host():
 
 def test_type_queries_name_the_cuda_type_while_mapped():
     """Megatron's Float16 optimizer accepts only CUDA type names; the host plays that device."""
-    from megatron_lora_patch.compat.host_device import HostDeviceMode
+    from megatron_lora_patch.cpu_testbed.host_device import HostDeviceMode
 
     with HostDeviceMode():
         assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from megatron_lora_patch import cli
 from megatron_lora_patch.errors import PREFIX
 from megatron_lora_patch.lora import peft as peft_format
-from megatron_lora_patch.testing.launcher import run_world
-from megatron_lora_patch.testing.models import TinyGPTSpec
+from megatron_lora_patch.proof.testbed.launcher import run_world
+from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 
 import persistence_worker as worker
 from conftest import assert_one_line_error, run_fresh
@@ -180,11 +180,11 @@ def test_user_error_in_process_is_one_line_exit_2(tmp_path, capsys):
 @pytest.mark.parametrize("bug", [ValueError("bad value"), KeyError("layer"), RuntimeError("boom")])
 def test_internal_bugs_keep_their_traceback(monkeypatch, tmp_path, bug):
     """Only UsageError becomes one line: a ValueError / KeyError raised by a bug propagates (was swallowed)."""
-    from megatron_lora_patch.lora import exchange
+    from megatron_lora_patch.lora import peft_io
 
     def broken(*args, **kwargs):
         raise bug
 
-    monkeypatch.setattr(exchange, "export_peft", broken)
+    monkeypatch.setattr(peft_io, "export_peft", broken)
     with pytest.raises(type(bug)):
         cli.main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "out")])

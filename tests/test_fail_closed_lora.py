@@ -29,8 +29,8 @@ with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-from megatron_lora_patch.testing.models import TinyGPTSpec, build_model
-from megatron_lora_patch.testing.topology import Topology
+from megatron_lora_patch.proof.testbed.models import TinyGPTSpec, build_model
+from megatron_lora_patch.proof.testbed.topology import Topology
 topology = Topology.parse("tp1")
 with topology.world():
     (model,) = build_model(TinyGPTSpec(), topology)
@@ -221,29 +221,29 @@ def fresh_config(monkeypatch):
 
 
 def test_configure_hook_raises_a_usage_error(fresh_config):
-    from megatron_lora_patch import plugin
+    from megatron_lora_patch import lora_correct
 
     fresh_config.setenv("MEGATRON_LORA_RANK", "abc")
     with pytest.raises(UsageError) as raised:
-        plugin.megatron_lora_patch_configure()
+        lora_correct.megatron_lora_patch_configure()
     assert isinstance(raised.value, lora_config.LoraConfigError)
     assert str(raised.value) == "MEGATRON_LORA_RANK must be a positive integer, got 'abc'"
 
 
 def test_one_parse_at_activation_is_what_the_model_build_uses(fresh_config):
-    from megatron_lora_patch import plugin
+    from megatron_lora_patch import lora_correct
 
     fresh_config.setenv("MEGATRON_LORA_RANK", "4")
-    plugin.megatron_lora_patch_configure()
+    lora_correct.megatron_lora_patch_configure()
     fresh_config.setenv("MEGATRON_LORA_RANK", "abc")  # changed after activation: not read again
     assert lora_config.active().rank == 4
     assert lora_config.active_with_labels()[1]["rank"] == "MEGATRON_LORA_RANK"
 
 
 def test_plugin_declares_every_variable_it_reads():
-    from megatron_lora_patch import plugin
+    from megatron_lora_patch import lora_correct
 
-    assert plugin.megatron_lora_patch_env_variables() == [
+    assert lora_correct.megatron_lora_patch_env_variables() == [
         "MEGATRON_LORA_CONFIG",
         "MEGATRON_LORA_RANK",
         "MEGATRON_LORA_ALPHA",

@@ -16,10 +16,10 @@ import pytest
 
 from conftest import assert_one_line_error, run_fresh
 from megatron_lora_patch.errors import UsageError
-from megatron_lora_patch.oracle import harness
-from megatron_lora_patch.oracle.metrics import PhaseMetrics, compare_tensors
-from megatron_lora_patch.oracle.mutations import MUTATIONS
-from megatron_lora_patch.testing.topology import TopologyError
+from megatron_lora_patch.proof.oracle import harness
+from megatron_lora_patch.proof.oracle.metrics import PhaseMetrics, compare_tensors
+from megatron_lora_patch.proof.oracle.mutations import MUTATIONS
+from megatron_lora_patch.proof.testbed.topology import TopologyError
 
 ORACLE = ["-m", "megatron_lora_patch", "oracle"]
 TP3 = (
@@ -147,7 +147,7 @@ REFERENCE_CRASH = textwrap.dedent(
     import sys, dataclasses
     import oracle_faults
     from megatron_lora_patch import cli
-    from megatron_lora_patch.oracle import harness
+    from megatron_lora_patch.proof.oracle import harness
 
     real = harness.make_job
 
@@ -203,7 +203,7 @@ def warning_rank(rank: int, world_size: int) -> int:
 
 
 def test_rank_warnings_are_filtered_unless_asked_for(capfd):
-    from megatron_lora_patch.testing.launcher import run_world
+    from megatron_lora_patch.proof.testbed.launcher import run_world
 
     assert run_world(warning_rank, 1, warnings="ignore") == [0]
     assert "start-up noise" not in capfd.readouterr().err

@@ -122,11 +122,11 @@ def test_unknown_variable_without_a_close_name_lists_the_known_ones():
 
 
 def test_lora_variable_typo_suggests_the_lora_variable():
-    from megatron_lora_patch import runtime
+    from megatron_lora_patch import registry
 
-    registry = runtime.Runtime()
-    registry._load_plugin("lora_correct")
-    if "MEGATRON_LORA_RANK" not in registry._declared_variables():
+    runtime = registry.Runtime()
+    runtime._load_plugin("lora_correct")
+    if "MEGATRON_LORA_RANK" not in runtime._declared_variables():
         pytest.skip("the lora_correct plugin does not declare its MEGATRON_LORA_* variables in this checkout")
     result = run_fresh(IMPORT, MEGATRON_PLUGINS="lora_correct", MEGATRON_LORA_RNAK="8")
     assert_one_line_error(
@@ -135,7 +135,7 @@ def test_lora_variable_typo_suggests_the_lora_variable():
 
 
 def test_unknown_plugin_without_a_close_name_lists_the_installed_ones():
-    from megatron_lora_patch.runtime import installed_plugins
+    from megatron_lora_patch.registry import installed_plugins
 
     result = run_fresh(IMPORT, MEGATRON_PLUGINS="lora_correct,zzz")
     assert_one_line_error(

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from error_metrics import assert_all_within, fp32_sum_tolerance, relative_l2_error
-from megatron_lora_patch.testing.launcher import run_world
+from megatron_lora_patch.proof.testbed.launcher import run_world
 
 IN, HIDDEN, OUT, RANK_R = 6, 8, 5, 2
 SEQ, MICROBATCHES_PER_DP_RANK = 4, 2
@@ -140,7 +140,7 @@ class TinyLoRAPair(torch.nn.Module):
 
 def apply_patches(finalize: bool, loss: bool, strict: bool = False) -> None:
     """Only cpu_compat and the patches under test: the real LoRA layers stay out of this model."""
-    from megatron_lora_patch.testing.patches import apply_only
+    from megatron_lora_patch.proof.testbed.patches import apply_only
 
     wanted = {"cpu_compat": True, "finalize_grads": finalize, "loss_normalization": loss}
     apply_only([name for name, on in wanted.items() if on], strict=strict)
@@ -219,7 +219,7 @@ def gather_logical(grads: dict) -> dict:
 
 
 def _tp2_rank(rank: int, world_size: int, sequence_parallel: bool) -> dict:
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     apply_patches(finalize=True, loss=True)
     # Expert TP 2 as well: the expert-TP group is then a distinct group over the TP ranks (mixed_dtype_buckets).

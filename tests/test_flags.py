@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_lora_patch import flags, runtime, versions
+from megatron_lora_patch import flags, registry, versions
 from megatron_lora_patch.flags import FlagError
 
 KNOWN = "demo_broken, demo_future, demo_optional, demo_shout, demo_upstream"
@@ -37,33 +37,33 @@ BOOLEANS = "1, true, yes, on, 0, false, no, off"
          "remove one of the two"),
         ({}, ["demo"], {"demo_shot": True}, FlagError,
          "the `enable` argument names unknown patch 'demo_shot'; did you mean 'demo_shout'?"),
-        ({"MEGATRON_PLUGINS": "nope"}, None, None, runtime.PluginError,
+        ({"MEGATRON_PLUGINS": "nope"}, None, None, registry.PluginError,
          "MEGATRON_PLUGINS names unknown plugin 'nope'; known: canary, cpu_testbed, demo, lora_correct"),
-        ({"MEGATRON_PLUGINS": "lora-correct"}, None, None, runtime.PluginError,
+        ({"MEGATRON_PLUGINS": "lora-correct"}, None, None, registry.PluginError,
          "MEGATRON_PLUGINS names unknown plugin 'lora-correct'; did you mean 'lora_correct'?"),
         ({"MEGATRON_PLUGINS": " , "}, None, None, FlagError,
          "no plugin requested: set MEGATRON_PLUGINS=lora_correct or pass plugins=['lora_correct']"),
-        ({}, ["canary"], None, runtime.PluginError,
+        ({}, ["canary"], None, registry.PluginError,
          "plugin 'canary' failed to load: RuntimeError: canary plugin imported"),
     ],
 )
 def test_bad_flags_give_one_exact_line(demo_plugins, monkeypatch, environ, plugins, enable, error, message):
     for key, value in environ.items():
         monkeypatch.setenv(key, value)
-    registry = runtime.Runtime()
+    runtime = registry.Runtime()
     with pytest.raises(error) as raised:
-        registry.apply(plugins, enable)
+        runtime.apply(plugins, enable)
     assert str(raised.value) == message
-    registry.revert()
+    runtime.revert()
 
 
 def test_revert_of_unknown_patch(demo_plugins):
-    registry = runtime.Runtime()
-    registry.apply(["demo"])
+    runtime = registry.Runtime()
+    runtime.apply(["demo"])
     with pytest.raises(FlagError) as raised:
-        registry.revert(["demo_shot"])
+        runtime.revert(["demo_shot"])
     assert str(raised.value) == f"cannot revert unknown patch 'demo_shot'; known patches: {KNOWN}"
-    registry.revert()
+    runtime.revert()
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lora_patch.testing.launcher import WorldError, WorldTimeout, gloo_process_group, run_world
+from megatron_lora_patch.proof.testbed.launcher import WorldError, WorldTimeout, gloo_process_group, run_world
 
 # Generous bound on spawn + import; the hang test's world must be gone within timeout + this.
 STARTUP_SLACK_S = 15.0
@@ -236,7 +236,7 @@ def test_ranks_die_when_the_parent_is_killed(tmp_path):
         f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from megatron_lora_patch.testing.launcher import run_world
+        from megatron_lora_patch.proof.testbed.launcher import run_world
         from test_launcher import _sleep_rank
         if __name__ == "__main__":
             run_world(_sleep_rank, 2, args=({str(tmp_path)!r}, int(sys.argv[1])), timeout={WORLD_START_S + 60})

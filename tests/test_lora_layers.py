@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from error_metrics import assert_errors_within
-from megatron_lora_patch.testing.launcher import run_world
-from megatron_lora_patch.testing.topology import Topology
+from megatron_lora_patch.proof.testbed.launcher import run_world
+from megatron_lora_patch.proof.testbed.topology import Topology
 
 import lora_layer_worker
 

@@ -2,17 +2,17 @@
 
 import torch
 
-from megatron_lora_patch import runtime
+from megatron_lora_patch import registry
 from megatron_lora_patch.lora.metadata import AdapterParamInfo, adapter_info, tag
-from megatron_lora_patch.plugin import PATCH_MODULES
+from megatron_lora_patch.lora_correct import PATCH_MODULES
 
 
 def test_fp32_main_copy_keeps_adapter_metadata():
     """Float16Optimizer builds main params with tensor_parallel.copy_tensor_model_parallel_attributes."""
     import megatron.core.tensor_parallel as tensor_parallel
 
-    registry = runtime.Runtime()
-    registry.apply(["lora_correct"], enable={name: name == "lora_linear" for name in PATCH_MODULES})
+    runtime = registry.Runtime()
+    runtime.apply(["lora_correct"], enable={name: name == "lora_linear" for name in PATCH_MODULES})
     try:
         factor = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.bfloat16))
         info = AdapterParamInfo("decoder.layers.0.mlp.experts.linear_fc2", "B", True, "expert_tp", None, True)
@@ -28,7 +28,7 @@ def test_fp32_main_copy_keeps_adapter_metadata():
         copied = (plain_main.tensor_model_parallel, plain_main.partition_dim, plain_main.partition_stride)
         assert copied == (True, 0, 1)  # ...and still Megatron's own TP attributes
     finally:
-        registry.revert()
+        runtime.revert()
     reverted = torch.zeros(2, 3)
     tensor_parallel.copy_tensor_model_parallel_attributes(reverted, factor)
     assert adapter_info(reverted) is None

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from megatron_lora_patch.lora.layouts import unshard
-from megatron_lora_patch.testing.launcher import run_world
-from megatron_lora_patch.testing.topology import Topology
+from megatron_lora_patch.proof.testbed.launcher import run_world
+from megatron_lora_patch.proof.testbed.topology import Topology
 
 import lora_model_worker as worker
 from error_metrics import assert_errors_within

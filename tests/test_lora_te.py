@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from error_metrics import assert_errors_within, max_abs_error_over_max
-from megatron_lora_patch.testing.launcher import run_world
-from megatron_lora_patch.testing.topology import Topology
+from megatron_lora_patch.proof.testbed.launcher import run_world
+from megatron_lora_patch.proof.testbed.topology import Topology
 
 SEQ, BATCH, HIDDEN, FFN, RANK = 8, 2, 16, 24, 4
 TOLERANCE = 1e-6
@@ -110,7 +110,7 @@ def te_module_errors(rank: int, world: int) -> dict:
     from megatron_lora_patch.lora.attach import attach_adapters
     from megatron_lora_patch.lora.config import LoraConfig
     from megatron_lora_patch.lora.init import logical_factors
-    from megatron_lora_patch.plugin import PATCH_MODULES
+    from megatron_lora_patch.lora_correct import PATCH_MODULES
 
     megatron_lora_patch.apply(plugins=["lora_correct"], enable={name: name == "lora_linear" for name in PATCH_MODULES})
     errors = {}

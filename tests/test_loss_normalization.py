@@ -12,7 +12,7 @@ import logging
 import pytest
 
 from error_metrics import assert_all_within, relative_l2_error
-from megatron_lora_patch.testing.launcher import run_world
+from megatron_lora_patch.proof.testbed.launcher import run_world
 from test_finalize_grads import (
     apply_patches, build_ddp_model, gather_logical, global_batch, grad_tolerance, mean_loss_func, reference,
     samples_of_dp_rank, train_step,
@@ -22,7 +22,7 @@ from test_finalize_grads import (
 def _dp_rank(rank: int, world_size: int, spec: str, tp: int) -> dict:
     from megatron.core import parallel_state
 
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     apply_patches(finalize=True, loss=True)
     with Topology.parse(spec).world(cpu_compat=False):

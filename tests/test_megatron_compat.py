@@ -20,7 +20,7 @@ import torch
 from megatron_lora_patch.errors import UsageError
 from megatron_lora_patch.lora.config import DEFAULT_TARGETS
 from megatron_lora_patch.lora.unsupported import UnsupportedModelError, refuse_unsupported
-from megatron_lora_patch.testing.launcher import run_world
+from megatron_lora_patch.proof.testbed.launcher import run_world
 
 import megatron_compat_worker as worker
 
@@ -107,8 +107,8 @@ def test_oracle_hybrid_model_runs_where_megatron_has_hybrid_model():
     """`oracle --model hybrid` picks the HybridModel spec on 0.18+, and is one OracleError before that."""
     import importlib.util
 
-    from megatron_lora_patch.oracle import harness
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.oracle import harness
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     settings = harness.OracleSettings(model="hybrid")
     if importlib.util.find_spec("megatron.core.models.hybrid") is not None:

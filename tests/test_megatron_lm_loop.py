@@ -32,13 +32,13 @@ from conftest import clean_environ  # noqa: E402
 from megatron_lora_patch.lora import checkpoint_source  # noqa: E402
 from megatron_lora_patch.lora.init import logical_factors  # noqa: E402
 from megatron_lora_patch.lora.config import LoraConfig  # noqa: E402
-from megatron_lora_patch.oracle.thresholds import threshold  # noqa: E402
+from megatron_lora_patch.proof.oracle.thresholds import threshold  # noqa: E402
 
 # The runs take several optimizer steps: the oracle's thresholds for steps after the first.
 LOSS_LIMIT = threshold("fp32", "loss", step=1)
 DELTAS_LIMIT = threshold("fp32", "deltas", step=1)
-from megatron_lora_patch.testing.launcher import run_world  # noqa: E402
-from megatron_lora_patch.testing.models import TinyGPTSpec  # noqa: E402
+from megatron_lora_patch.proof.testbed.launcher import run_world  # noqa: E402
+from megatron_lora_patch.proof.testbed.models import TinyGPTSpec  # noqa: E402
 
 TESTS = pathlib.Path(__file__).parent
 SCRIPT = TESTS / "megatron_lm_gpt.py"

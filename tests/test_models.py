@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from error_metrics import relative_l2_error
-from megatron_lora_patch.testing.launcher import run_world
-from megatron_lora_patch.testing.models import TinyGPTSpec, logical_shapes, logical_state_dict
-from megatron_lora_patch.testing.shards import Shard, assemble_logical
+from megatron_lora_patch.proof.testbed.launcher import run_world
+from megatron_lora_patch.proof.testbed.models import TinyGPTSpec, logical_shapes, logical_state_dict
+from megatron_lora_patch.proof.testbed.shards import Shard, assemble_logical
 
 DENSE = TinyGPTSpec()
 MOE_ALLGATHER = TinyGPTSpec.moe("allgather")
@@ -38,8 +38,8 @@ def _gather_vocab(logits):
 def forward_logits(rank, world_size, topology_spec, specs):
     """On each rank: build each spec's model on `topology_spec` and return its gathered logits."""
     import megatron_lora_patch
-    from megatron_lora_patch.testing import models
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed import models
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     megatron_lora_patch.apply(plugins=["lora_correct", "cpu_testbed"], enable=ONLY_CPU_COMPAT)
     topology = Topology.parse(topology_spec)
@@ -55,8 +55,8 @@ def forward_logits(rank, world_size, topology_spec, specs):
 def world1_checks(rank, world_size):
     """World size 1: parameter names/shapes are `logical_shapes`; two builds give identical losses."""
     import megatron_lora_patch
-    from megatron_lora_patch.testing import models
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed import models
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     megatron_lora_patch.apply(plugins=["lora_correct", "cpu_testbed"], enable=ONLY_CPU_COMPAT)
     report = {}

@@ -30,9 +30,9 @@ from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
 import megatron_lm_null_tokenizer as doubles
 from megatron_lora_patch import flags as flags_module
 from megatron_lora_patch import null_tokenizer_eod
-from megatron_lora_patch import plugin
+from megatron_lora_patch import lora_correct
 from megatron_lora_patch.patches import null_tokenizer as patch
-from megatron_lora_patch.runtime import Runtime, SkipPatch
+from megatron_lora_patch.registry import Runtime, SkipPatch
 
 from conftest import run_python
 
@@ -53,7 +53,7 @@ old_core = pytest.mark.skipif(CORE_UPSTREAM, reason="not applicable to this Mega
 
 def enable(null_tokenizer=None) -> dict:
     """Every other patch off; this one as given (None: left to its default)."""
-    names = [spec.name for spec in plugin.megatron_lora_patch_patches() if spec.name != patch.SPEC.name]
+    names = [spec.name for spec in lora_correct.megatron_lora_patch_patches() if spec.name != patch.SPEC.name]
     flags = {name: False for name in names}
     if null_tokenizer is not None:
         flags[patch.SPEC.name] = null_tokenizer
@@ -253,8 +253,8 @@ def test_core_class_counting_eod_is_reported_upstream(runtime):
 def test_applied_before_megatron_is_imported():
     code = textwrap.dedent(f"""
         import types, megatron_lora_patch
-        from megatron_lora_patch import plugin
-        megatron_lora_patch.apply(["lora_correct"], enable={{name: name == "null_tokenizer" for name in plugin.PATCH_MODULES}})
+        from megatron_lora_patch import lora_correct
+        megatron_lora_patch.apply(["lora_correct"], enable={{name: name == "null_tokenizer" for name in lora_correct.PATCH_MODULES}})
         from {BUILD_TOKENIZER_MODULE} import build_tokenizer
         tokenizer = build_tokenizer(types.SimpleNamespace(tokenizer_type="NullTokenizer", vocab_size={N}, padded_vocab_size=128))
         row = next(r for r in megatron_lora_patch.status() if r.patch == "null_tokenizer")

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from megatron_lora_patch.oracle import canonical, harness
-from megatron_lora_patch.oracle.command import ALL_TOPOLOGIES, DEFAULT_TOPOLOGIES
-from megatron_lora_patch.oracle.mutations import Mutation
-from megatron_lora_patch.oracle.report import OracleReport, TopologyResult
-from megatron_lora_patch.testing.topology import Topology
+from megatron_lora_patch.proof.oracle import canonical, harness
+from megatron_lora_patch.proof.oracle.command import ALL_TOPOLOGIES, DEFAULT_TOPOLOGIES
+from megatron_lora_patch.proof.oracle.mutations import Mutation
+from megatron_lora_patch.proof.oracle.report import OracleReport, TopologyResult
+from megatron_lora_patch.proof.testbed.topology import Topology
 
 import oracle_faults
 

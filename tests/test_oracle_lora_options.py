@@ -3,7 +3,7 @@ equals world-1 when adapters differ in rank and scale per module, MoE experts in
 a lower rank than attention). The patterns really shape the adapters: read off the world-1 run.
 
 alpha 4 (not the oracle's 8) keeps rsLoRA's scale at the one the thresholds were measured at
-(alpha / sqrt(4) = 2 = 8 / 4, oracle/thresholds.py): at alpha 8 (scales 4 to 5.7) cp2's step-0
+(alpha / sqrt(4) = 2 = 8 / 4, proof/oracle/thresholds.py): at alpha 8 (scales 4 to 5.7) cp2's step-0
 grads measured 1.1e-4 (layer 0 qkv A, seed 1234; each option alone <= 6.3e-6; seed 7: 3e-3 at
 step 1, in its threshold) against the 1e-4 calibrated at scale 2. Floating-point noise grows
 with the scale; a layout or reduction error moves step 0 by >= 0.26 (thresholds.py).
@@ -11,10 +11,10 @@ with the scale; a layout or reduction error moves step 0 by >= 0.26 (thresholds.
 
 from __future__ import annotations
 
-from megatron_lora_patch.oracle import harness
-from megatron_lora_patch.oracle.command import DEFAULT_TOPOLOGIES
-from megatron_lora_patch.oracle.mutations import MUTATIONS
-from megatron_lora_patch.testing.topology import Topology
+from megatron_lora_patch.proof.oracle import harness
+from megatron_lora_patch.proof.oracle.command import DEFAULT_TOPOLOGIES
+from megatron_lora_patch.proof.oracle.mutations import MUTATIONS
+from megatron_lora_patch.proof.testbed.topology import Topology
 
 DENSE_OPTIONS = (
     ("rslora", True),

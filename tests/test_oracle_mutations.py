@@ -16,13 +16,13 @@ import pickle
 
 import pytest
 
-from megatron_lora_patch.oracle import harness
-from megatron_lora_patch.oracle.mutations import MUTATIONS, Mutation
-from megatron_lora_patch.testing.topology import Topology
+from megatron_lora_patch.proof.oracle import harness
+from megatron_lora_patch.proof.oracle.mutations import MUTATIONS, Mutation
+from megatron_lora_patch.proof.testbed.topology import Topology
 
 #: A caught mutation must clear its worst threshold by this factor (a bug is never a close call).
 MIN_RATIO = 100.0
-#: bf16 gates step 0 only, 3-4x above its rounding noise (oracle/thresholds.py): every bug must
+#: bf16 gates step 0 only, 3-4x above its rounding noise (proof/oracle/thresholds.py): every bug must
 #: still be caught there, with the smaller margin bf16's 8 mantissa bits allow (measured: 2.5x and up).
 BF16_MIN_RATIO = 2.0
 CONTROL = Mutation("control_no_change", "No bug: the oracle's own patches only (checks that mutations revert).", "tp2")

@@ -2,9 +2,9 @@
 
 import json
 
-from megatron_lora_patch.oracle.metrics import PhaseMetrics
-from megatron_lora_patch.oracle.report import MutationResult, OracleReport, TopologyResult
-from megatron_lora_patch.oracle.thresholds import PHASES, describe, threshold
+from megatron_lora_patch.proof.oracle.metrics import PhaseMetrics
+from megatron_lora_patch.proof.oracle.report import MutationResult, OracleReport, TopologyResult
+from megatron_lora_patch.proof.oracle.thresholds import PHASES, describe, threshold
 
 SETTINGS = {"thresholds": describe("fp32"), "dtype": "fp32", "steps": 2, "seed": 1234}
 
@@ -50,7 +50,7 @@ def test_verdict_table_and_json(tmp_path):
 
 
 def test_plot_writes_a_png(tmp_path):
-    from megatron_lora_patch.oracle import plot
+    from megatron_lora_patch.proof.oracle import plot
 
     path = tmp_path / "oracle.png"
     plot.heat_map(_report(), str(path))

@@ -14,8 +14,8 @@ import importlib
 import pytest
 
 from megatron_lora_patch import versions
-from megatron_lora_patch.testing.launcher import run_world
-from megatron_lora_patch.testing.patches import all_patch_names
+from megatron_lora_patch.proof.testbed.launcher import run_world
+from megatron_lora_patch.proof.testbed.patches import all_patch_names
 
 _MISSING = object()
 
@@ -74,22 +74,22 @@ def _restored_problems(changes) -> list[str]:
 
 def _contract(name: str, import_before: bool) -> dict:
     """Apply `name` alone, check, apply again, check, revert, check (in this process)."""
-    from megatron_lora_patch import runtime
-    from megatron_lora_patch.testing.patches import apply_only
+    from megatron_lora_patch import registry
+    from megatron_lora_patch.proof.testbed.patches import apply_only
 
     if import_before:
         _import_targets([name])
     apply_only([name])
     importable = _import_targets([name])
-    state = {row.patch: row.state for row in runtime.status()}[name]
-    changes = runtime.get_runtime().changes(name)
+    state = {row.patch: row.state for row in registry.status()}[name]
+    changes = registry.get_runtime().changes(name)
     problems = _wrapped_once_problems(changes)
     apply_only([name])
-    again = runtime.get_runtime().changes(name)
+    again = registry.get_runtime().changes(name)
     if [c.target for c in again] != [c.target for c in changes]:
         problems.append(f"second apply recorded {len(again)} changes, the first {len(changes)}")
     problems += _wrapped_once_problems(again)
-    runtime.revert([name])
+    registry.revert([name])
     problems += _restored_problems(changes)
     targets = [change.target for change in changes]
     return {"state": state, "targets": targets, "problems": problems, "importable": importable}

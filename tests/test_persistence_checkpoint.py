@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lora_patch.testing.launcher import run_world
-from megatron_lora_patch.testing.models import TinyGPTSpec
-from megatron_lora_patch.testing.topology import Topology
+from megatron_lora_patch.proof.testbed.launcher import run_world
+from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
+from megatron_lora_patch.proof.testbed.topology import Topology
 
 import persistence_worker as worker
 

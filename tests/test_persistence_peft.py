@@ -23,8 +23,8 @@ import torch
 
 from error_metrics import max_abs_error_over_max
 from megatron_lora_patch.lora import peft as peft_format
-from megatron_lora_patch.testing.launcher import run_world
-from megatron_lora_patch.testing.models import DEFAULT_SEED, TinyGPTSpec
+from megatron_lora_patch.proof.testbed.launcher import run_world
+from megatron_lora_patch.proof.testbed.models import DEFAULT_SEED, TinyGPTSpec
 
 import persistence_worker as worker
 
@@ -145,7 +145,7 @@ def test_merge_equals_adapter_forward_and_unmerge_restores(exported):
 
 
 def test_import_on_pp2_then_export_gives_identical_bytes(exported):
-    from megatron_lora_patch.lora.exchange import export_peft
+    from megatron_lora_patch.lora.peft_io import export_peft
 
     checkpoint, again = str(exported["root"] / "reimported"), str(exported["root"] / "peft-again")
     args = ("pp2", SPEC, exported["peft"], checkpoint, exported["options"])

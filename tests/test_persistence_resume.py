@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from error_metrics import relative_l2_error
-from megatron_lora_patch.testing.launcher import run_world
-from megatron_lora_patch.testing.models import TinyGPTSpec
+from megatron_lora_patch.proof.testbed.launcher import run_world
+from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 
 import persistence_worker
 import resume_worker

@@ -25,7 +25,7 @@ if importlib.util.find_spec("megatron.training") is None:  # absent only: an imp
     )
 
 from megatron_lora_patch.errors import UsageError  # noqa: E402
-from megatron_lora_patch.oracle import preflight  # noqa: E402
+from megatron_lora_patch.proof.oracle import preflight  # noqa: E402
 
 DENSE = (
     "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
@@ -149,7 +149,7 @@ def test_bad_input_is_one_usage_error(user_environ, arguments, overrides, messag
 
 def test_too_large_for_this_machine_says_so_and_offers_fewer_layers(user_environ):
     """Never a silent pass: a world-1 model over the memory limit stops with the smallest comparison that fits."""
-    from megatron_lora_patch.testing.args_model import estimate_parameters
+    from megatron_lora_patch.proof.testbed.args_model import estimate_parameters
 
     full = preflight.make_plan(_options([*MOE, "--expert-model-parallel-size", "2"], layers=4))
     minimal = preflight.make_plan(_options([*MOE, "--expert-model-parallel-size", "2"]))
@@ -189,7 +189,7 @@ def test_data_path_feeds_both_runs_the_first_tokens_and_passes(user_environ, tmp
     """--data-path (a weighted blend: the first prefix) replaces the mock tokens in every step's batch."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_lora_patch.testing import driver
+    from megatron_lora_patch.proof.testbed import driver
 
     prefix = _corpus(tmp_path)
     plan = preflight.make_plan(_options(_with_data([*DENSE, *TP2_SP], "1.0", prefix)))
@@ -207,7 +207,7 @@ def test_data_path_feeds_both_runs_the_first_tokens_and_passes(user_environ, tmp
 
 
 def _first_tokens(dataset, count: int):
-    """The dataset's first `count` token ids, sequences in order (independent of testing.data.read_corpus)."""
+    """The dataset's first `count` token ids, sequences in order (independent of testbed.data.read_corpus)."""
     import numpy
     import torch
 

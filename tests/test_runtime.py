@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from megatron_lora_patch import runtime
+from megatron_lora_patch import registry
 
 
 @pytest.fixture
@@ -20,9 +20,9 @@ def target(demo_plugins):
 
 @pytest.fixture
 def fresh():
-    registry = runtime.Runtime()
-    yield registry
-    registry.revert()
+    runtime = registry.Runtime()
+    yield runtime
+    runtime.revert()
 
 
 def states(rows):
@@ -57,7 +57,7 @@ def test_default_off_patch_is_disabled_until_enabled(target, fresh):
 
 def test_failure_half_way_stops_and_leaves_nothing_applied(target, fresh, caplog):
     original = target.Greeter.__dict__["hello"]
-    with caplog.at_level(logging.DEBUG, logger="megatron_lora_patch"), pytest.raises(runtime.PatchError) as raised:
+    with caplog.at_level(logging.DEBUG, logger="megatron_lora_patch"), pytest.raises(registry.PatchError) as raised:
         fresh.apply(["demo"], enable={"demo_broken": True})
     assert str(raised.value) == (
         "patch demo_broken failed on demo_target, nothing of it is applied: RuntimeError: boom half way; "
@@ -72,7 +72,7 @@ def test_failure_half_way_stops_and_leaves_nothing_applied(target, fresh, caplog
 
 
 def test_failure_stops_whatever_strict_says(target, fresh):
-    with pytest.raises(runtime.PatchError, match="patch demo_broken failed on demo_target"):
+    with pytest.raises(registry.PatchError, match="patch demo_broken failed on demo_target"):
         fresh.apply(["demo"], enable={"demo_broken": True}, strict=False)
 
 
@@ -85,7 +85,7 @@ def test_skip_patch_reverts_and_reports_reason(target, fresh):
 
 def test_version_gate_refuses_untested_version(target, fresh):
     original = target.farewell
-    with pytest.raises(runtime.PatchError) as raised:
+    with pytest.raises(registry.PatchError) as raised:
         fresh.apply(["demo"], enable={"demo_future": True})
     row = next(r for r in fresh.status() if r.patch == "demo_future")
     reason = f"megatron-core {row.installed} is outside the tested range >=99 of patch demo_future"
@@ -123,7 +123,7 @@ def test_precedence_argument_beats_env_beats_default(target, fresh, monkeypatch)
 
 def test_bad_flag_leaves_every_patch_not_configured(target, fresh, monkeypatch):
     monkeypatch.setenv("MEGATRON_LORA_PATCH_DEMO_SHOUT", "maybe")
-    with pytest.raises(runtime.flags.FlagError):
+    with pytest.raises(registry.flags.FlagError):
         fresh.apply(["demo"])
     assert set(states(fresh.status()).values()) == {"not configured"}  # never "not imported yet"
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from error_metrics import relative_l2_error
-from megatron_lora_patch.testing.data import dp_rank_microbatches, make_global_batch
-from megatron_lora_patch.testing.driver import TrainSettings
-from megatron_lora_patch.testing.models import TinyGPTSpec
-from megatron_lora_patch.testing.pretrain import LEGACY_MEAN
-from megatron_lora_patch.oracle.metrics import compare_results
-from megatron_lora_patch.testing.runner import Job, canonical_result, run_jobs
+from megatron_lora_patch.proof.testbed.data import dp_rank_microbatches, make_global_batch
+from megatron_lora_patch.proof.testbed.driver import TrainSettings
+from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
+from megatron_lora_patch.proof.testbed.pretrain import LEGACY_MEAN
+from megatron_lora_patch.proof.oracle.metrics import compare_results
+from megatron_lora_patch.proof.testbed.runner import Job, canonical_result, run_jobs
 
 #: fp32 tolerance on every phase (relative L2 per tensor, worst over tensors and steps).
 #: Measured worst: 1.4e-6 (grads of step 2 on TP2+SP / ETP2: reduction-order noise of step 1
@@ -177,8 +177,8 @@ def test_dp_split_follows_megatron_pretraining_sampler():
 
 def cp_positions_on_rank(rank: int, world_size: int) -> list:
     """In a cp2 world: the sequence positions this CP rank holds (Megatron's load-balanced chunking)."""
-    from megatron_lora_patch.testing.data import cp_sequence_positions
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.data import cp_sequence_positions
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     with Topology.parse("cp2").world():
         return cp_sequence_positions(8).tolist()
@@ -186,6 +186,6 @@ def cp_positions_on_rank(rank: int, world_size: int) -> list:
 
 def test_cp_split_is_load_balanced_2cp_chunks():
     """CP rank r holds chunks r and 2*cp-1-r of 2*cp equal chunks (causal load balance)."""
-    from megatron_lora_patch.testing.launcher import run_world
+    from megatron_lora_patch.proof.testbed.launcher import run_world
 
     assert run_world(cp_positions_on_rank, 2, name="cp2") == [[0, 1, 6, 7], [2, 3, 4, 5]]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_lora_patch.testing.patches import all_patch_names
-from megatron_lora_patch.testing.launcher import gloo_process_group, run_world
-from megatron_lora_patch.testing.topology import Topology, TopologyError
+from megatron_lora_patch.proof.testbed.patches import all_patch_names
+from megatron_lora_patch.proof.testbed.launcher import gloo_process_group, run_world
+from megatron_lora_patch.proof.testbed.topology import Topology, TopologyError
 
 USAGE = (
     "expected dash-separated parts (tpN, ppN, cpN, dpN, epN, etpN, sp), "

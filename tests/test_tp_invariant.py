@@ -16,7 +16,7 @@ import torch
 
 from megatron_lora_patch import versions
 from megatron_lora_patch.patches.tp_invariant import SPEC
-from megatron_lora_patch.testing.launcher import run_world
+from megatron_lora_patch.proof.testbed.launcher import run_world
 
 _OUT_OF_RANGE = versions.out_of_range_reason(SPEC.name, SPEC.versions, versions.installed_megatron_core())
 pytestmark = pytest.mark.skipif(bool(_OUT_OF_RANGE), reason=f"tp_invariant does not apply here: {_OUT_OF_RANGE}")
@@ -51,9 +51,9 @@ def _forward_modules(name, module) -> bool:
 
 def _train(rank, world_size, spec, topology_text, invariant):
     from megatron_lora_patch.lora.config import LoraConfig, set_active
-    from megatron_lora_patch.testing.driver import Capture, TrainSettings, train_steps
-    from megatron_lora_patch.testing.patches import apply_only
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings, train_steps
+    from megatron_lora_patch.proof.testbed.patches import apply_only
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     wanted = set(BASE_PATCHES) | ({"tp_invariant"} if invariant else set())
     apply_only(wanted, strict=True)
@@ -70,7 +70,7 @@ def _train(rank, world_size, spec, topology_text, invariant):
 
 
 def run(spec, topology_text: str, invariant: bool) -> list:
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     world_size = Topology.parse(topology_text).world_size
     return run_world(_train, world_size, args=(spec, topology_text, invariant), timeout=600, name=topology_text)
@@ -151,7 +151,7 @@ def _checked_counts(records: list) -> None:
 
 @pytest.fixture(scope="module")
 def fp32_spec():
-    from megatron_lora_patch.testing.models import TinyGPTSpec
+    from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 
     return TinyGPTSpec()
 
@@ -181,10 +181,10 @@ def test_without_the_patch_tp2_differs(fp32_spec):
 def _bf16_forward_backward(rank, world_size, spec, topology_text):
     """bf16 model (no optimizer: Megatron's Float16 optimizer refuses CPU tensors): losses, adapter grads."""
     from megatron_lora_patch.lora.config import LoraConfig, set_active
-    from megatron_lora_patch.testing import data
-    from megatron_lora_patch.testing.models import build_model
-    from megatron_lora_patch.testing.patches import apply_only
-    from megatron_lora_patch.testing.topology import Topology
+    from megatron_lora_patch.proof.testbed import data
+    from megatron_lora_patch.proof.testbed.models import build_model
+    from megatron_lora_patch.proof.testbed.patches import apply_only
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     wanted = set(BASE_PATCHES) | {"tp_invariant"}
     apply_only(wanted, strict=True)
@@ -200,7 +200,7 @@ def _bf16_forward_backward(rank, world_size, spec, topology_text):
 
 
 def test_bf16_forward_and_adapter_grads_bitwise_equal_to_tp1():
-    from megatron_lora_patch.testing.models import TinyGPTSpec
+    from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 
     spec = TinyGPTSpec(dtype="bfloat16")
     reference = run_world(_bf16_forward_backward, 1, args=(spec, "tp1"), timeout=600, name="tp1")[0]
@@ -216,7 +216,7 @@ def test_bf16_forward_and_adapter_grads_bitwise_equal_to_tp1():
 @pytest.mark.slow
 @pytest.mark.parametrize("topology", ["tp2", "tp4", "tp4-sp"])
 def test_tp4_bitwise_equal_to_tp1(topology):
-    from megatron_lora_patch.testing.models import TinyGPTSpec
+    from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 
     spec = TinyGPTSpec(num_attention_heads=8, num_query_groups=4)
     assert mismatches(run(spec, "tp1", invariant=True), run(spec, topology, invariant=True)) == []
@@ -226,7 +226,7 @@ def test_apply_and_revert_restore_megatron_exactly():
     """Every target is wrapped while on (status 'applied') and is the original object again after revert;
     the grad-sync strategy (dense factors complete, no TP SUM) is declared while on and undone by revert."""
     import megatron_lora_patch
-    from megatron_lora_patch.plugin import PATCH_MODULES
+    from megatron_lora_patch.lora_correct import PATCH_MODULES
 
     import megatron.core.tensor_parallel as tensor_parallel
     import megatron.core.tensor_parallel.cross_entropy as cross_entropy

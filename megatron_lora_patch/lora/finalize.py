@@ -19,7 +19,7 @@ import logging
 import sys
 import types
 
-from megatron_lora_patch import runtime
+from megatron_lora_patch import registry
 from megatron_lora_patch.lora.metadata import adapter_info
 from megatron_lora_patch.patching import Patcher
 
@@ -122,7 +122,7 @@ def _track_training_step(wrapped, instance, args, kwargs):
     unpatched = _unpatched_finalize()
     swap = unpatched is not None and configured is unpatched
     if swap:
-        runtime.warn_once(
+        registry.warn_once(
             "unpatched-func",
             "config.finalize_model_grads_func holds Megatron's finalize_model_grads as bound before the "
             "finalize_grads patch was applied; using the patched function for each training step",
@@ -150,7 +150,7 @@ def patch_schedules(patcher: Patcher, schedules: types.ModuleType) -> None:
 def _refuse_unfinalized_grads(wrapped, instance, args, kwargs):
     if TRACKER.unfinalized:
         TRACKER.unfinalized = False  # reported once per step
-        runtime.report_problem("missing-finalize", MISSING_FINALIZE)
+        registry.report_problem("missing-finalize", MISSING_FINALIZE)
     return wrapped(*args, **kwargs)
 
 

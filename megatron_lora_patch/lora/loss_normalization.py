@@ -18,7 +18,7 @@ import inspect
 import logging
 import types
 
-from megatron_lora_patch import runtime
+from megatron_lora_patch import registry
 from megatron_lora_patch.patching import Patcher
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def _per_token_before_ddp(wrapped, instance, args, kwargs):
     if not config.calculate_per_token_loss:
         config.calculate_per_token_loss = True
         if getattr(config, "num_moe_experts", None):
-            runtime.warn_once(
+            registry.warn_once(
                 "late-config",
                 "calculate_per_token_loss turned on at DDP construction: the config was built before the "
                 "loss_normalization patch, so MoE routers built from it keep the per-microbatch aux-loss scaling",
@@ -97,9 +97,9 @@ def guard_loss_func(loss_func, config, cp_group_size=None):
         if kwargs.get("non_loss_data") or len(outputs) != 2:
             return outputs
         if not config.calculate_per_token_loss:  # Megatron's own legacy path runs; it is a mean of means
-            runtime.report_problem("legacy-loss", LEGACY_LOSS)
+            registry.report_problem("legacy-loss", LEGACY_LOSS)
             return outputs
-        runtime.report_problem("legacy-loss", LEGACY_LOSS, LEGACY_FALLBACK)
+        registry.report_problem("legacy-loss", LEGACY_LOSS, LEGACY_FALLBACK)
         import torch
 
         mean, report = outputs
@@ -113,7 +113,7 @@ def guard_loss_func(loss_func, config, cp_group_size=None):
 
 def _check_config(config) -> None:
     if not config.calculate_per_token_loss:
-        runtime.report_problem("config-before-patch", CONFIG_BEFORE_PATCH)
+        registry.report_problem("config-before-patch", CONFIG_BEFORE_PATCH)
 
 
 def patch_schedules(patcher: Patcher, schedules: types.ModuleType) -> None:

@@ -6,6 +6,6 @@ other patch, whether or not the package's own start-up hook is installed, so the
 of the "plugin unset == not installed" check differ only in that hook.
 """
 
-from megatron_lora_patch.testing.patches import apply_only
+from megatron_lora_patch.proof.testbed.patches import apply_only
 
 apply_only(("cpu_compat",))

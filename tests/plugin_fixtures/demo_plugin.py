@@ -2,7 +2,7 @@
 
 from megatron_lora_patch.hookspecs import impl
 from megatron_lora_patch.patching import PatchSpec
-from megatron_lora_patch.runtime import SkipPatch
+from megatron_lora_patch.registry import SkipPatch
 
 CONFIGURED = []
 

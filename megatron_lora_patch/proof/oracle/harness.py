@@ -1,0 +1,365 @@
+"""The oracle harness: world-1 reference vs topologies, per phase (docs/architecture.md section 8).
+
+Every run (reference, topology, mutation) is a `testbed.runner.Job`: the same seeded
+tiny GPT, the same topology-invariant LoRA adapters (non-zero B, so grads reach A) and
+the same global batch, trained K steps through Megatron DDP, finalize and Adam with
+clipping, with the `lora_correct` patches applied in every rank. Captures are
+canonicalized to the world-1 layout and compared per phase:
+
+- forward: outputs of every adapted (non-expert) linear, first step, every microbatch;
+- (MoE) routing: every router decision of every compared step must equal world-1's exactly, or
+  the topology fails with where the routing diverged (comparisons after a flip are meaningless);
+- loss: per-microbatch loss sums and token counts, and the reported lm loss, every step;
+- grads: adapter grads after finalize, every step;
+- grad_norm: the optimizer's grad norm, every step;
+- deltas: adapter weights after K steps minus their initial values.
+
+Each quantity is judged against the threshold of its optimizer step (proof/oracle/thresholds.py:
+step 0 tight, later steps looser; bf16 compares step 0 only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import re
+import time
+from typing import Dict, List, Optional, Sequence
+
+from megatron_lora_patch.errors import UsageError
+from megatron_lora_patch.proof.oracle import canonical
+from megatron_lora_patch.proof.oracle import thresholds as limits
+from megatron_lora_patch.proof.oracle.metrics import PhaseMetrics, compare_scalars, compare_tensors
+from megatron_lora_patch.proof.oracle.mutations import MUTATIONS, Mutation
+from megatron_lora_patch.proof.oracle.report import MutationResult, OracleReport, TopologyResult
+from megatron_lora_patch.patching import Patcher
+from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings
+from megatron_lora_patch.proof.testbed.launcher import WorldError
+from megatron_lora_patch.proof.testbed.models import TinyGPTSpec, check_topology_fits
+from megatron_lora_patch.proof.testbed.runner import Job, canonical_result, run_jobs
+from megatron_lora_patch.proof.testbed.topology import Topology
+
+#: The oracle's models: GQA (8 heads, 4 query groups: TP up to 4), SwiGLU, RoPE, RMSNorm;
+#: 4 layers so PP up to 4 keeps whole layers per stage; the MoE variant has 4 experts, top-2.
+DENSE = TinyGPTSpec(num_attention_heads=8, num_query_groups=4, num_layers=4)
+MOE = TinyGPTSpec.moe(num_attention_heads=8, num_query_groups=4, num_layers=2)
+#: A `HybridModel` (Megatron-Core 0.18+) alternating attention and MLP layers, the dense widths.
+HYBRID = TinyGPTSpec.hybrid("*-*-", num_attention_heads=8, num_query_groups=4)
+REFERENCE = "tp1"
+_STEP = re.compile(r"^step(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleSettings:
+    steps: int = 2
+    dtype: str = "fp32"  # fp32 | bf16
+    seed: int = 1234
+    model: str = "auto"  # dense | moe | hybrid | auto (MoE for topologies with ep / etp)
+    tp_invariant: bool = False
+    lora_rank: int = 4
+    lora_alpha: float = 8.0
+    # More LoraConfig fields as (name, value) pairs, e.g. (("rslora", True), ("rank_pattern", {...}))
+    lora_options: tuple = ()
+    timeout_s: float = 600.0
+
+    def threshold(self, phase: str, step: int) -> Optional[float]:
+        """Pass threshold of `phase` at optimizer step `step`; None: not compared (proof/oracle/thresholds.py)."""
+        return limits.threshold(self.dtype, phase, step, self.tp_invariant)
+
+    @property
+    def thresholds(self) -> Dict[str, Dict[str, Optional[float]]]:
+        return limits.describe(self.dtype, self.tp_invariant)
+
+
+class OracleError(UsageError, ValueError):
+    """Bad oracle input (topology, model, mutation name); the message says what would be valid."""
+
+
+def model_for(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
+    expert_parallel = topology.ep > 1 or topology.etp > 1
+    if settings.model in ("dense", "hybrid") and expert_parallel:
+        raise OracleError(f"topology {topology} shards experts but --model {settings.model} has none; use --model auto or moe")
+    if settings.model == "hybrid" and importlib.util.find_spec("megatron.core.models.hybrid") is None:
+        raise OracleError("--model hybrid needs Megatron-Core 0.18 or newer (HybridModel); use --model dense")
+    if settings.model == "hybrid":
+        spec = HYBRID
+    else:
+        spec = MOE if settings.model == "moe" or (settings.model == "auto" and expert_parallel) else DENSE
+    return spec.replace(dtype="bfloat16") if settings.dtype == "bf16" else spec
+
+
+def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
+    """The model this topology runs, or one OracleError saying why it cannot run."""
+    spec = model_for(topology, settings)
+    if settings.tp_invariant and spec.is_moe:
+        raise OracleError("--tp-invariant supports the dense model only; use --model dense or auto without ep/etp")
+    if settings.tp_invariant and any(size > 1 for size in (topology.pp, topology.dp, topology.cp, topology.ep, topology.etp)):
+        raise OracleError(
+            f"--tp-invariant supports tensor parallelism (with or without sp) only; {topology} also uses "
+            "pp/dp/cp/ep/etp: use topologies like tp2, tp2-sp, tp4"
+        )
+    check_topology_fits(spec, topology)
+    return spec
+
+
+@contextlib.contextmanager
+def oracle_job(settings: OracleSettings, mutation: Optional[Mutation]):
+    """Entered in every rank around one run: the oracle's patches, LoRA config and mutation."""
+    import torch
+
+    import megatron_lora_patch
+    from megatron_lora_patch.proof.testbed.patches import TESTBED_PLUGINS
+    from megatron_lora_patch.lora.config import LoraConfig
+
+    enable = {
+        "cpu_compat": not torch.cuda.is_available(),
+        "lora_linear": True,
+        "finalize_grads": True,
+        "loss_normalization": True,
+    }
+    if settings.tp_invariant:
+        enable["tp_invariant"] = True
+    enable.update(mutation.patches if mutation else {})
+    megatron_lora_patch.apply(plugins=TESTBED_PLUGINS, enable=enable)
+    lora = dict(rank=settings.lora_rank, alpha=settings.lora_alpha, b_init="nonzero", seed=settings.seed)
+    lora.update(dict(settings.lora_options))
+    lora.update(mutation.lora if mutation else {})
+    with mutation_installed(LoraConfig(**lora), mutation):
+        yield
+
+
+@contextlib.contextmanager
+def mutation_installed(lora, mutation: Optional[Mutation]):
+    """`lora` active and `mutation`'s changes installed for the block (a run in one rank); both undone after."""
+    from megatron_lora_patch.lora.config import set_active
+
+    set_active(lora)
+    patcher = Patcher()
+    try:
+        if mutation is not None and mutation.install is not None:
+            mutation.install(patcher)
+        yield
+    finally:
+        patcher.revert()
+        set_active(None)
+
+
+def make_job(topology: Topology, settings: OracleSettings, mutation: Optional[Mutation] = None) -> Job:
+    import functools
+
+    spec = check_topology(topology, settings)
+    train = TrainSettings(
+        steps=settings.steps,
+        seed=settings.seed,
+    )
+    train = dataclasses.replace(
+        train,
+        capture=Capture(
+            forward=canonical.is_captured,
+            on_step_end=functools.partial(_on_step_end, spec.seq_length, train.micro_batch_size),
+        ),
+    )
+    if mutation is not None and mutation.settings:
+        train = dataclasses.replace(train, **mutation.settings)
+    context = functools.partial(oracle_job, settings, mutation)
+    return Job(spec, topology, train, context=context)
+
+
+def _on_step_end(seq_length: int, micro_batch_size: int, step: int, record: dict, chunks: list) -> None:
+    """`Capture.on_step_end`: the rank's forward-capture layout, recorded once."""
+    if step == 0:
+        model = chunks[0]
+        while hasattr(model, "module"):
+            model = model.module
+        record["extra"]["layout"] = canonical.rank_layout(model, seq_length, micro_batch_size)
+
+
+def routing_maps(records: List[dict]) -> Dict[str, "object"]:
+    """Every MoE routing decision of every step, in world-1 layout (empty for dense models)."""
+    return {
+        f"step{step}/{key}": routing
+        for step in range(len(records[0]["steps"]))
+        for key, routing in canonical.forward_outputs(records, step, canonical.ROUTING).items()
+    }
+
+
+def canonical_phases(records: List[dict], spec: TinyGPTSpec, shapes: Dict[str, tuple]) -> dict:
+    """Everything one run is compared on, in world-1 layout, keyed per phase."""
+    result = canonical_result(records, spec, shapes)
+    phases = {"forward": canonical.forward_outputs(records), "loss": {}, "grads": {}, "grad_norm": {}}
+    for step, entry in enumerate(result["steps"]):
+        for index, microbatch in enumerate(entry["microbatches"]):
+            for key, value in microbatch.items():
+                phases["loss"][f"step{step}.mb{index}.{key}"] = value
+        phases["loss"][f"step{step}.lm_loss"] = entry["lm_loss"]
+        phases["grad_norm"][f"step{step}"] = entry["grad_norm"]
+        for name, grad in entry["grads"].items():
+            phases["grads"][f"step{step}/{name}"] = grad
+    final = result["steps"][-1]["params"]
+    phases["deltas"] = {name: final[name] - result["initial_params"][name] for name in final}
+    return phases
+
+
+def adapter_shapes(reference_records: List[dict]) -> Dict[str, tuple]:
+    """Logical shapes of every captured parameter, read off the world-1 run (its tensors are whole)."""
+    (record,) = reference_records
+    return {record["shards"][name].logical_name: tuple(tensor.shape) for name, tensor in record["initial_params"].items()}
+
+
+def compare(candidate: dict, reference: dict, settings: OracleSettings) -> Dict[str, PhaseMetrics]:
+    """Per phase, the metrics of its worst optimizer step (largest error over that step's threshold).
+
+    Each key belongs to a step (`step<j>...`; forward outputs: step 0; deltas: the last step) and
+    is judged against that step's threshold; steps whose threshold is None are not compared, and
+    a phase with no compared step is left out. A key missing on either side is an error."""
+    metrics = {}
+    for phase, expected in reference.items():
+        if set(candidate[phase]) != set(expected):
+            raise ValueError(
+                f"{phase}: tensor sets differ from the reference: missing {sorted(set(expected) - set(candidate[phase]))}, "
+                f"extra {sorted(set(candidate[phase]) - set(expected))}"
+            )
+        by_step: Dict[int, list] = {}
+        for key in expected:
+            step = settings.steps - 1 if phase == "deltas" else int(_STEP.match(key).group(1)) if _STEP.match(key) else 0
+            by_step.setdefault(step, []).append(key)
+        measure = compare_scalars if phase in ("loss", "grad_norm") else compare_tensors
+        judged = [
+            measure({key: candidate[phase][key] for key in keys}, {key: expected[key] for key in keys}, limit)
+            for step, keys in sorted(by_step.items())
+            if (limit := settings.threshold(phase, step)) is not None
+        ]
+        if judged:
+            metrics[phase] = max(judged, key=lambda m: (m.ratio != m.ratio, m.ratio))  # NaN first
+    return metrics
+
+
+def mutations_named(names: Sequence[str]) -> List[Mutation]:
+    unknown = [name for name in names if name not in MUTATIONS]
+    if unknown:
+        raise OracleError(f"unknown mutation {unknown[0]!r}; known: {', '.join(MUTATIONS) or 'none'}")
+    return [MUTATIONS[name] for name in names]
+
+
+def run_oracle(
+    topologies: Sequence[str],
+    mutations: Sequence[Mutation] = (),
+    settings: OracleSettings = OracleSettings(),
+    *,
+    rank_warnings: str = "ignore",
+) -> OracleReport:
+    """Run the world-1 references, then every topology and every mutation (each on the topology
+    that exposes it); compare; return the report. A crashed or hung run is a FAIL row (an
+    ERRORED mutation); a failed reference stops there: the report says so and compares nothing.
+    `rank_warnings`: the ranks' warnings filter ("default" shows Megatron's and torch's)."""
+    started = time.monotonic()
+    if settings.tp_invariant and mutations:
+        raise OracleError("--tp-invariant runs without mutations: they re-introduce bugs the invariant mode bypasses")
+    runs = [(Topology.parse(spec), None) for spec in topologies]
+    runs += [(Topology.parse(mutation.topology), mutation) for mutation in mutations]
+    jobs = [make_job(topology, dataclasses.replace(settings, model=m.model) if m else settings, m) for topology, m in runs]
+    report = OracleReport(settings=_describe(settings))
+    references = {
+        job.spec: make_job(Topology.parse(REFERENCE), settings_for(job.spec, settings)) for job in jobs
+    }
+    outcomes = _run_isolated(list(references.values()), settings.timeout_s, rank_warnings)
+    expected = {}
+    for spec, (records, error) in zip(references, outcomes):
+        if error:
+            report.reference_error = f"the world-1 reference run of the {model_name(spec)} model failed:\n{error}"
+            report.wall_s = time.monotonic() - started
+            return report
+        shapes = adapter_shapes(records)
+        expected[spec] = (shapes, canonical_phases(records, spec, shapes), routing_maps(records))
+    outcomes = _run_isolated(jobs, settings.timeout_s, rank_warnings)
+    for (topology, mutation), job, (records, error) in zip(runs, jobs, outcomes):
+        phases, routing, error = _judge(job, records, error, expected[job.spec], settings)
+        note = ""
+        if routing and not limits.routing_must_match(settings.dtype, settings.tp_invariant):
+            where = routing.split(": ", 1)[-1]
+            note, routing = f"bf16 rounding flipped near-tie MoE routing choices (reported, not failed): {where}", ""
+        if mutation is None:
+            wall_s = max((record.get("wall_s", 0.0) for record in records or ()), default=0.0)
+            report.topologies.append(
+                TopologyResult(str(topology), topology.world_size, phases, error, routing, wall_s, model_name(job.spec), note)
+            )
+        else:
+            report.mutations.append(MutationResult(mutation.name, str(topology), mutation.bug, phases, error, routing, note))
+    report.wall_s = time.monotonic() - started
+    return report
+
+
+def _judge(job: Job, records, error: Optional[str], expected: tuple, settings: OracleSettings) -> tuple:
+    """(phases, routing divergence, error) of one run against its reference."""
+    if error is not None:
+        return {}, "", error
+    shapes, reference_phases, reference_routing = expected
+    try:
+        phases = compare(canonical_phases(records, job.spec, shapes), reference_phases, settings)
+        routing = canonical.routing_divergence(_compared_steps(routing_maps(records), settings),
+                                               _compared_steps(reference_routing, settings))
+        return phases, routing, None
+    except (ValueError, KeyError) as problem:  # a layout mismatch is a failure, never a pass
+        return {}, "", f"comparison failed: {type(problem).__name__}: {problem}"
+
+
+def _compared_steps(routing: dict, settings: OracleSettings) -> dict:
+    """The routing decisions of the steps whose grads are compared (bf16: step 0 only)."""
+    return {key: value for key, value in routing.items() if settings.threshold("grads", int(_STEP.match(key).group(1))) is not None}
+
+
+def model_name(spec: TinyGPTSpec) -> str:
+    return spec.family
+
+
+def describe_model(spec: TinyGPTSpec) -> str:
+    """A short description for the report header."""
+    experts = f", {spec.num_experts} experts top-{spec.moe_router_topk}" if spec.is_moe else ""
+    experts += f", layers {spec.hybrid_pattern!r} (* attention, - MLP)" if spec.hybrid_pattern else ""
+    return (
+        f"{spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_attention_heads} heads / "
+        f"{spec.num_query_groups} query groups{experts}, seq {spec.seq_length}"
+    )
+
+
+def settings_for(spec: TinyGPTSpec, settings: OracleSettings) -> OracleSettings:
+    """The reference of a MoE spec runs the MoE model even when `settings.model` says auto."""
+    return dataclasses.replace(settings, model=spec.family)
+
+
+def _run_isolated(jobs: List[Job], timeout: float, warnings: str = "ignore") -> List[tuple]:
+    """(records, None) or (None, error text) per job, in job order.
+
+    Jobs of one world size share a set of processes (imports paid once); if that world
+    fails, its jobs are re-run one by one so the failure is pinned on the right run and
+    the others still count. `timeout` is per job.
+    """
+    outcomes: List[tuple] = [(None, "not run")] * len(jobs)
+    by_world: Dict[int, List[int]] = {}
+    for index, job in enumerate(jobs):
+        by_world.setdefault(job.topology.world_size, []).append(index)
+    for indices in by_world.values():
+        try:
+            group = run_jobs([jobs[i] for i in indices], timeout=timeout * len(indices), warnings=warnings)
+            for index, records in zip(indices, group):
+                outcomes[index] = (records, None)
+            continue
+        except WorldError as error:
+            if len(indices) == 1:
+                outcomes[indices[0]] = (None, str(error))
+                continue
+        for index in indices:
+            try:
+                outcomes[index] = (run_jobs([jobs[index]], timeout=timeout, warnings=warnings)[0], None)
+            except WorldError as error:
+                outcomes[index] = (None, str(error))
+    return outcomes
+
+
+def _describe(settings: OracleSettings) -> dict:
+    return dataclasses.asdict(settings) | {
+        "thresholds": settings.thresholds,
+        "models": {"dense": str(DENSE), "moe": str(MOE)},
+        "model_summaries": {spec.family: describe_model(spec) for spec in (DENSE, MOE, HYBRID)},
+    }

@@ -1,0 +1,178 @@
+"""Sensitivity mutations: named, toggleable re-introductions of known bugs (docs/architecture.md section 8).
+
+A mutation runs only inside the oracle harness. Each names the topology that exposes
+it; the oracle must FAIL on that topology with the mutation on, or the harness is broken.
+
+A mutation changes a run in up to four ways, all applied in every rank of the job:
+- `install(patcher)`: runs after the oracle turned its patches on and before the model
+  is built; every change goes through the `Patcher` (reverted when the job ends). It
+  must be a module-level function (jobs are pickled to spawned ranks).
+- `settings`: overrides of `testbed.driver.TrainSettings` fields.
+- `lora`: overrides of `lora.config.LoraConfig` fields.
+- `patches`: on/off overrides of `lora_correct` patches (e.g. a patch left out).
+
+Each install bends exactly one invariant of docs/architecture.md section 4 or 5, at the place
+where the real bug lived, and patches a function where it is looked up at call time
+(module globals of its caller), so nothing outside the mutation changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Optional
+
+from megatron_lora_patch.proof.oracle.known_bugs import (
+    avg_instead_of_sum,
+    ddp_average_on_top,
+    expert_grads_over_dense_dp,
+    finalize_with_dp_only_token_count,
+    finalize_with_rank_local_token_count,
+    full_output_on_partial_sum_expert_path,
+    grad_norm_metadata_on_replicated,
+    lora_input_grad_outside_collective,
+    rank_local_random_init,
+    skip_expert_tp_sum,
+    skip_tp_sum_column_a,
+    skip_tp_sum_row_b,
+    swiglu_gate_up_mismatch,
+    wrong_qkv_packing,
+    xavier_fan_in_local_shard,
+)
+from megatron_lora_patch.patching import Patcher
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    bug: str  # what known bug it re-introduces, and where it was seen
+    topology: str  # the topology that exposes it
+    model: str = "dense"  # "dense" | "moe"
+    install: Optional[Callable[[Patcher], None]] = None
+    settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    lora: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    patches: Mapping[str, bool] = dataclasses.field(default_factory=dict)
+
+
+# -- the registry --------------------------------------------------------------------------
+
+_ALL = (
+    Mutation(
+        "skip_tp_sum_column_a",
+        "The replicated A of a column-parallel LoRA keeps its per-rank partial grad (no TP SUM), as in ART's "
+        "Megatron backend before PR #619.",
+        "tp2",
+        install=skip_tp_sum_column_a,
+    ),
+    Mutation(
+        "skip_tp_sum_row_b",
+        "The replicated B of a row-parallel LoRA keeps its per-rank partial grad (no TP SUM), as in ART's "
+        "Megatron backend before PR #619.",
+        "tp2",
+        install=skip_tp_sum_row_b,
+    ),
+    Mutation(
+        "avg_instead_of_sum",
+        "Replicated LoRA factor grads are AVERAGED over TP instead of summed, the reduction ART PR #619 "
+        "replaced with a SUM on the shard domain.",
+        "tp2-sp",
+        install=avg_instead_of_sum,
+    ),
+    Mutation(
+        "skip_expert_tp_sum",
+        "Expert LoRA factors replicated over expert-TP (fc1 A, fc2 B) keep partial grads (no expert-TP SUM), "
+        "the expert half of ART PR #619.",
+        "tp2-etp2-sp",
+        model="moe",
+        install=skip_expert_tp_sum,
+    ),
+    Mutation(
+        "local_token_normalization",
+        "Each DP rank divides its loss by its own trainable-token count instead of the global count, the "
+        "local normalization ART PR #619 fixed (docs/architecture.md section 5).",
+        "dp2",
+        settings={"finalize_model_grads_func": finalize_with_rank_local_token_count},
+    ),
+    Mutation(
+        "ddp_average_on_top",
+        "DDP averages grads over DP on top of the 1/global-token scaling of per-token loss (the combination "
+        "Megatron-Core forbids with calculate_per_token_loss and average_in_collective).",
+        "dp2",
+        install=ddp_average_on_top,
+    ),
+    Mutation(
+        "wrong_qkv_packing",
+        "qkv LoRA B is sharded over TP as [all q | all k | all v] instead of Megatron's per-query-group "
+        "[q, k, v] packing, the QKV layout bug of ART PR #619.",
+        "tp2",
+        install=wrong_qkv_packing,
+    ),
+    Mutation(
+        "rank_local_random_init",
+        "LoRA factors are drawn from a per-rank seed, so replicated factors start different on each TP rank "
+        "(ART PR #619 broadcast-initializes them; docs/architecture.md section 4).",
+        "tp2",
+        install=rank_local_random_init,
+    ),
+    Mutation(
+        "lora_input_grad_outside_collective",
+        "The column-parallel LoRA branch reads the rank-local input, so its input grad bypasses the base "
+        "layer's TP all-reduce and stays a partial sum (docs/architecture.md section 4).",
+        "tp2",
+        install=lora_input_grad_outside_collective,
+    ),
+    Mutation(
+        "full_output_on_partial_sum_expert_path",
+        "The expert fc2 LoRA output is all-reduced to a full output on the explicit-expert-comm path whose "
+        "dispatcher sums partials again (double count, Megatron-Bridge #5634 / #6089).",
+        "tp2-etp2-sp",
+        model="moe",
+        install=full_output_on_partial_sum_expert_path,
+    ),
+    Mutation(
+        "expert_grads_over_dense_dp",
+        "Expert LoRA factors are synced over the dense DP group instead of expert-DP (allreduce=True), "
+        "mixing different experts' weights and grads (Megatron-Bridge #5229).",
+        "ep2",
+        model="moe",
+        install=expert_grads_over_dense_dp,
+    ),
+    Mutation(
+        "grad_norm_metadata_on_replicated",
+        "Replicated LoRA factors are counted on every TP rank in the grad norm, as when they carry "
+        "tensor_model_parallel=True metadata (double-counted norm, wrong clipping).",
+        "tp2",
+        install=grad_norm_metadata_on_replicated,
+    ),
+    Mutation(
+        "finalize_not_installed",
+        "config.finalize_model_grads_func is None, so DP sync, 1/num_tokens scaling and the replicated SUM "
+        "never run (SkyRL #223; the finalize_grads patch that detects it is off).",
+        "dp2",
+        settings={"finalize_model_grads_func": None},
+        patches={"finalize_grads": False},
+    ),
+    Mutation(
+        "xavier_fan_in_local_shard",
+        "Row-parallel LoRA A is initialized with the fan-in of its local TP shard instead of the full "
+        "input size (Megatron-Bridge #5840).",
+        "tp2",
+        install=xavier_fan_in_local_shard,
+    ),
+    Mutation(
+        "swiglu_gate_up_mismatch",
+        "SwiGLU fc1 LoRA B is a plain contiguous split of [gate; up] while each base shard holds "
+        "[gate_shard; up_shard] (docs/architecture.md section 4).",
+        "tp2",
+        install=swiglu_gate_up_mismatch,
+    ),
+    Mutation(
+        "cp_token_count_dp_only",
+        "The per-token loss denominator is summed over DP only, not DP x CP, so each CP rank divides by its "
+        "own chunk's count when CP > 1 (seed 002, NMFW-17 CP review).",
+        "cp2",
+        settings={"finalize_model_grads_func": finalize_with_dp_only_token_count},
+    ),
+)
+
+#: Every mutation by name, in the order the oracle runs them.
+MUTATIONS: dict[str, Mutation] = {mutation.name: mutation for mutation in _ALL}

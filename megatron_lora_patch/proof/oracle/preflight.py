@@ -1,0 +1,394 @@
+"""`megatron-lora-patch preflight -- <your pretrain_gpt.py arguments>`: the oracle on YOUR model and topology.
+
+Parses the arguments with Megatron-LM's own parser, builds your architecture through
+Megatron's own config path (every width kept; depth cut to the fewest layers that hold
+every layer kind), runs K LoRA training steps at your topology (TP, SP, PP, CP, EP, ETP,
+dtype from the arguments; DP as --data-parallel-size) and on one rank, with the same data
+(the first tokens of your --data-path, in order; mock tokens with --mock-data), the
+LoRA settings your job reads from MEGATRON_LORA_*, and compares the oracle's phases.
+Exit 0 only on a match; 1 on a mismatch (naming the phase, layer and parameter that
+drift most); 2 on bad arguments or a model too large for this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import os
+import re
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+from megatron_lora_patch.errors import UsageError, one_line
+from megatron_lora_patch.proof.oracle.report import OracleReport
+
+DEFAULT_MICROBATCHES = 2
+GIB = 1024**3
+_LAYER = re.compile(r"layers\.(\d+)\.")
+_WEIGHT = re.compile(r"[0-9.eE+-]+")  # a blend's weight in --data-path, as opposed to a dataset prefix
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse prints the usage line and exits 2 otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "preflight", help="check LoRA on your own model and topology (your pretrain_gpt.py arguments) against world-1",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the machine-readable report here")
+    parser.add_argument("--steps", type=_positive_int, default=2, help="optimizer steps K (default 2)")
+    parser.add_argument("--layers", type=_positive_int, help="layers to keep (default: the fewest holding every layer kind)")
+    parser.add_argument("--seq-length", type=_positive_int, help="sequence length (default: your --seq-length)")
+    parser.add_argument("--micro-batches", type=_positive_int, default=DEFAULT_MICROBATCHES,
+                        help=f"microbatches per data-parallel rank and step (default {DEFAULT_MICROBATCHES})")
+    parser.add_argument("--data-parallel-size", type=_positive_int,
+                        help="data-parallel size (default: the smallest that fits your expert grid)")
+    parser.add_argument("--mutation", help="re-introduce one of the oracle's known bugs (the preflight must then FAIL)")
+    parser.add_argument("--max-memory-gib", type=float, help="memory the world-1 reference may use (default: available RAM)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run before a world is killed")
+    parser.add_argument("megatron_args", nargs=argparse.REMAINDER, help="-- then your pretrain_gpt.py arguments")
+    parser.set_defaults(run=run)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    spec: Any  # testbed.args_model.ArgsModelSpec
+    topology: Any  # testbed.topology.Topology
+    lora: Any  # lora.config.LoraConfig the runs use
+    patches: dict  # lora_correct patch -> on, as the user's environment resolves it
+    lora_changes: tuple  # (field, user's value, value used)
+    mutation: Any  # oracle.mutations.Mutation or None
+    steps: int
+    micro_batches: int
+    timeout_s: float
+    parameters: int
+    data_path: Optional[str] = None  # the indexed dataset whose first tokens both runs read; None: mock data
+
+    @property
+    def limits(self) -> Any:
+        """The oracle's per-step thresholds for this dtype and step count (proof/oracle/thresholds.py)."""
+        from megatron_lora_patch.proof.oracle.harness import OracleSettings
+
+        return OracleSettings(steps=self.steps, dtype=self.spec.dtype)
+
+    def describe(self) -> dict:
+        args, spec = self.spec.args, self.spec
+        return {
+            "topology": str(self.topology), "world_size": self.topology.world_size, "device": "cpu+gloo",
+            "layers": {"yours": args.num_layers, "kept": spec.num_layers, "kinds": list(spec.kinds)},
+            "width": {"hidden": args.hidden_size, "heads": args.num_attention_heads, "query_groups": args.num_query_groups
+                      if args.group_query_attention else args.num_attention_heads, "ffn": args.ffn_hidden_size,
+                      "experts": args.num_experts, "topk": args.moe_router_topk if args.num_experts else None,
+                      "vocab": spec.padded_vocab_size},
+            "seq_length": spec.seq_length, "micro_batch_size": args.micro_batch_size, "micro_batches": self.micro_batches,
+            "dtype": spec.dtype, "steps": self.steps, "parameters": self.parameters,
+            "data": self.data_path or "mock", "lora": dataclasses.asdict(self.lora), "patches": self.patches, "mutation": self.mutation.name if self.mutation else None,
+            "changed": [{"setting": name, "yours": str(old), "preflight": str(new)}
+                        for name, old, new in [*spec.changes(), *self.lora_changes]],
+        }
+
+    def summary(self) -> str:
+        described, spec = self.describe(), self.spec
+        kinds = ", ".join(f"{index}: {kind}" for index, kind in enumerate(spec.kinds))
+        lines = [
+            f"preflight: {str(self.topology)} ({self.topology.world_size} ranks, CPU + gloo) against 1 rank, "
+            f"{self.steps} steps, {spec.dtype}, ~{self.parameters / 1e6:.1f}M parameters at world size 1",
+            f"  layers: {spec.num_layers} of your {spec.args.num_layers} (every layer kind once: {kinds}); widths unchanged",
+        ]
+        lines.append(f"  data: {'the first tokens of ' + self.data_path if self.data_path else 'mock'}")
+        lines.append("  patches (from your environment): " + ", ".join(name for name, on in self.patches.items() if on))
+        lines += [f"  changed: {item['setting']} {item['yours']} -> {item['preflight']}" for item in described["changed"]]
+        if self.mutation:
+            lines.append(f"  mutation: {self.mutation.name} ({self.mutation.bug})")
+        return "\n".join(lines)
+
+
+def make_plan(options: argparse.Namespace, environ=None) -> Plan:
+    """Everything checked before any rank starts; every problem is one UsageError."""
+    from megatron_lora_patch.lora.config import LoraConfig
+    from megatron_lora_patch.proof.testbed.args_model import ArgsModelSpec, parse_megatron_args
+    from megatron_lora_patch.proof.testbed.topology import TopologyError
+
+    argv = list(options.megatron_args or [])
+    argv = argv[1:] if argv[:1] == ["--"] else argv
+    if not argv:
+        raise UsageError("preflight needs your pretrain_gpt.py arguments after --, e.g. preflight -- --num-layers 32 ...")
+    mutation = _mutation(options.mutation)
+    try:
+        user_lora = LoraConfig.from_env(environ)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    # Dropout masks cannot match across topologies; a zero B would make A's first grads trivially zero.
+    lora = dataclasses.replace(user_lora, dropout=0.0, b_init="nonzero")
+    lora_changes = tuple((f"MEGATRON_LORA_{name.upper()}", getattr(user_lora, name), getattr(lora, name))
+                         for name in ("dropout", "b_init") if getattr(user_lora, name) != getattr(lora, name))
+    patches = _user_patches()
+    topology_of = functools.partial(_topology_of, options.data_parallel_size)
+    try:
+        args = parse_megatron_args(argv, topology_of)
+        topology = topology_of(args)
+        if topology.world_size == 1:
+            raise UsageError(
+                "your arguments run on one rank, so there is nothing to compare with world size 1; pass your "
+                "parallel sizes (--tensor-model-parallel-size, --pipeline-model-parallel-size, ...) or "
+                "--data-parallel-size N before --"
+            )
+        spec = ArgsModelSpec.from_args(args, layers=options.layers, seq_length=options.seq_length)
+        topology.validate(num_experts=spec.num_experts, num_layers=spec.num_layers, seq_length=spec.seq_length, max_world=None)
+        spec.check(topology)
+    except TopologyError as error:
+        raise UsageError(str(error)) from None
+    if mutation is not None and mutation.model == "moe" and not spec.is_moe:
+        raise UsageError(f"mutation {mutation.name} needs a MoE model; your arguments have no --num-experts")
+    parameters = _check_memory(spec, options.max_memory_gib)
+    plan = Plan(spec, topology, lora, patches, lora_changes, mutation, options.steps, options.micro_batches,
+                options.timeout, parameters, _data_prefix(args))
+    if plan.data_path:
+        _check_data(plan)
+    return plan
+
+
+def _data_prefix(args: argparse.Namespace) -> Optional[str]:
+    """The first dataset prefix of --data-path (a blend lists weight prefix pairs); None for mock data."""
+    if getattr(args, "mock_data", False) or not getattr(args, "data_path", None):
+        return None
+    return next((item for item in args.data_path if not _WEIGHT.fullmatch(item)), None)
+
+
+def _check_data(plan: Plan) -> None:
+    """Read the tokens both runs will read before any rank starts: a bad path or vocabulary is one UsageError."""
+    from megatron_lora_patch.proof.testbed.data import read_corpus
+
+    tokens = plan.micro_batches * plan.topology.dp * plan.spec.args.micro_batch_size * (plan.spec.seq_length + 1)
+    try:
+        read_corpus(plan.data_path, tokens * plan.steps, plan.spec.vocab_size)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def _user_patches() -> dict:
+    """Which lora_correct patches a training job started with this environment gets (defaults, then
+    MEGATRON_LORA_PATCH_<NAME> / MEGATRON_LORA_DISABLED_PATCHES; a bad value is one UsageError line)."""
+    from megatron_lora_patch import flags, lora_correct
+
+    defaults = {spec.name: spec.default for spec in lora_correct.megatron_lora_patch_patches()}
+    return {name: decision[0] for name, decision in flags.resolve_enabled(defaults).items()}
+
+
+def _mutation(name: Optional[str]):
+    from megatron_lora_patch.proof.oracle.harness import mutations_named
+
+    if name is None:
+        return None
+    try:
+        return mutations_named([name])[0]
+    except ValueError as error:
+        raise UsageError(f"--mutation: {error}") from None
+
+
+def _topology_of(data_parallel_size: Optional[int], args: argparse.Namespace):
+    """The world of the user's parallel sizes (one machine: dp as asked, or the smallest the expert grid needs)."""
+    from megatron_lora_patch.proof.testbed.topology import Topology, TopologyError
+
+    tp = args.tensor_model_parallel_size
+    try:
+        return Topology(
+            tp=tp, pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size, dp=data_parallel_size,
+            ep=args.expert_model_parallel_size,
+            etp=(args.expert_tensor_parallel_size or tp) if args.num_experts else 1,  # Megatron defaults it to tp
+            sp=bool(args.sequence_parallel) and tp > 1,
+        )
+    except TopologyError as error:
+        raise UsageError(str(error)) from None
+
+
+def _check_memory(spec, limit_gib: Optional[float]) -> int:
+    """Estimated parameters of the world-1 reference; UsageError with the smallest comparison that fits if it cannot."""
+    import psutil
+
+    from megatron_lora_patch.proof.testbed.args_model import estimate_parameters
+
+    parameters = estimate_parameters(spec)
+    available = limit_gib * GIB if limit_gib is not None else psutil.virtual_memory().available
+    bytes_per = (2 if spec.dtype == "bf16" else 4) * 2  # the weights, and their fp32 draws / copies alongside
+    if parameters * bytes_per <= available:
+        return parameters
+    distinct = len(set(spec.kinds))
+    minimal = dataclasses.replace(spec, kinds=tuple(dict.fromkeys(spec.kinds)))
+    needed = parameters * bytes_per / GIB
+    if spec.num_layers > distinct and estimate_parameters(minimal) * bytes_per <= available:
+        hint = f"use --layers {distinct} (the fewest that hold every layer kind)"
+    else:
+        hint = "even the fewest layers do not fit at these widths: run the preflight on a machine with more memory"
+    raise UsageError(
+        f"the world-1 reference cannot fit: ~{parameters / 1e6:.3g}M parameters need ~{needed:.3g} GiB, "
+        f"{available / GIB:.3g} GiB available; {hint}"
+    )
+
+
+def run(options: argparse.Namespace) -> int:
+    try:
+        plan = make_plan(options)
+    except UsageError as error:
+        print(one_line(error), file=sys.stderr)
+        return 2
+    print(plan.summary(), flush=True)
+    report = run_plan(plan)
+    print(report.table())
+    if options.json:
+        report.write_json(options.json)
+    return 0 if report.passed else 1
+
+
+def run_plan(plan: Plan):
+    """Reference and topology runs, compared like the oracle; an `OracleReport` with one row and `preflight` details."""
+    from megatron_lora_patch.proof.oracle.report import TopologyResult
+    from megatron_lora_patch.proof.testbed.topology import Topology
+
+    started = time.monotonic()
+    name = str(plan.topology) + (f" +{plan.mutation.name}" if plan.mutation else "")
+    report = PreflightReport(settings={"thresholds": plan.limits.thresholds}, preflight=plan.describe())
+    with _cpu_only():
+        reference, error = _run(plan, Topology(), None)
+        if error:
+            error = f"the world-1 reference run failed; nothing was compared:\n{error}"
+        else:
+            records, error = _run(plan, plan.topology, plan.mutation)
+    phases, routing = {}, ""
+    if error is None:
+        phases, routing, error = _compare(plan, records, reference)
+    report.topologies.append(TopologyResult(name, plan.topology.world_size, phases, error, routing))
+    report.drift = drift(phases, plan.spec.kinds)
+    report.wall_s = time.monotonic() - started
+    return report
+
+
+@dataclasses.dataclass
+class PreflightReport(OracleReport):
+    """The oracle's report with one row (the user's topology), what was run, and where it drifts."""
+
+    preflight: dict = dataclasses.field(default_factory=dict)
+    drift: Optional[dict] = None
+
+    def table(self) -> str:
+        lines = super().table().splitlines()
+        if self.drift:
+            lines.insert(-1, drift_line(self.drift))
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return super().as_dict() | {"preflight": self.preflight, "drift": self.drift}
+
+
+def _run(plan: Plan, topology, mutation):
+    """(rank records, None) or (None, the world's error text)."""
+    from megatron_lora_patch.proof.oracle import canonical
+    from megatron_lora_patch.proof.oracle.harness import _on_step_end
+    from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings
+    from megatron_lora_patch.proof.testbed.launcher import WorldError
+    from megatron_lora_patch.proof.testbed.runner import Job, run_jobs
+
+    micro_batch_size = plan.spec.args.micro_batch_size
+    capture = Capture(forward=canonical.is_captured,
+                      on_step_end=functools.partial(_on_step_end, plan.spec.seq_length, micro_batch_size))
+    settings = TrainSettings(
+        steps=plan.steps, seed=plan.spec.args.seed, micro_batch_size=micro_batch_size,
+        global_batch_size=micro_batch_size * plan.topology.dp * plan.micro_batches, capture=capture,
+        data_path=plan.data_path,
+    )
+    if mutation is not None and mutation.settings:
+        settings = dataclasses.replace(settings, **mutation.settings)
+    job = Job(plan.spec, topology, settings, context=functools.partial(preflight_job, plan.lora, plan.patches, mutation))
+    try:
+        return run_jobs([job], timeout=plan.timeout_s)[0], None
+    except WorldError as error:
+        return None, str(error)
+
+
+def _compare(plan: Plan, records, reference):
+    from megatron_lora_patch.proof.oracle import canonical
+    from megatron_lora_patch.proof.oracle.harness import adapter_shapes, canonical_phases, compare, routing_maps
+
+    try:
+        shapes = adapter_shapes(reference)
+        expected = canonical_phases(reference, plan.spec, shapes)
+        phases = compare(canonical_phases(records, plan.spec, shapes), expected, plan.limits)
+        return phases, canonical.routing_divergence(routing_maps(records), routing_maps(reference)), None
+    except (ValueError, KeyError) as problem:  # a layout mismatch is a failure, never a pass
+        return {}, "", f"comparison failed: {type(problem).__name__}: {problem}"
+
+
+@contextlib.contextmanager
+def preflight_job(lora, patches: dict, mutation):
+    """Entered in every rank around a run: the patches as the user's environment resolves them
+    (cpu_compat on CPU), the user's LoRA settings, and the mutation if one was asked for."""
+    import torch
+
+    import megatron_lora_patch
+    from megatron_lora_patch.proof.oracle.harness import mutation_installed
+    from megatron_lora_patch.proof.testbed.patches import TESTBED_PLUGINS
+
+    enable = {**patches, "cpu_compat": not torch.cuda.is_available(), **(mutation.patches if mutation else {})}
+    megatron_lora_patch.apply(plugins=TESTBED_PLUGINS, enable=enable)
+    with mutation_installed(dataclasses.replace(lora, **(mutation.lora if mutation else {})), mutation):
+        yield
+
+
+@contextlib.contextmanager
+def _cpu_only():
+    """Ranks run on CPU with gloo (the testbed's world), also on a machine with GPUs."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def drift(phases: dict, kinds: Sequence[str]) -> Optional[dict]:
+    """Where a mismatch is worst: the failing phase furthest over its threshold, and the layer and
+    parameter that drift most (from the worst failing phase that names one)."""
+    failing = {phase: metrics for phase, metrics in phases.items() if not metrics.passed}
+    if not failing:
+        return None
+    order = functools.partial(_ratio_key, failing)
+    phase = max(failing, key=order)
+    located = [name for name in failing if _LAYER.search(failing[name].worst_tensor)]
+    where = max(located, key=order) if located else phase
+    metrics = failing[where]
+    match = _LAYER.search(metrics.worst_tensor)
+    layer = int(match.group(1)) if match else None
+    return {
+        "phase": phase, "over_threshold": failing[phase].ratio, "located_in_phase": where,
+        "layer": layer, "layer_kind": kinds[layer] if layer is not None and layer < len(kinds) else None,
+        "parameter": metrics.worst_tensor, "rel_l2": metrics.rel_l2, "threshold": metrics.threshold,
+    }
+
+
+def _ratio_key(failing: dict, phase: str) -> tuple:
+    ratio = failing[phase].ratio
+    return (ratio != ratio, ratio)  # NaN first
+
+
+def drift_line(found: dict) -> str:
+    layer = "no layer" if found["layer"] is None else f"layer {found['layer']} ({found['layer_kind']})"
+    return (
+        f"drifts most: phase {found['phase']} ({found['over_threshold']:.3g}x its threshold); worst located tensor: "
+        f"{layer}, {found['parameter']} in {found['located_in_phase']} (rel L2 {found['rel_l2']:.2e}, "
+        f"threshold {found['threshold']:.0e})"
+    )

@@ -1,0 +1,399 @@
+"""The in-rank training loop: Megatron-LM's `train_step`, on the testbed.
+
+`train_steps` runs inside every rank after the topology initialized `parallel_state`.
+It builds the tiny model, wraps it like Megatron-LM's `get_model` (Float16Module for
+half precision, Megatron DDP, DP broadcast), sets the config callbacks like
+`setup_model_and_optimizer` (`grad_scale_func`, `finalize_model_grads_func`), builds
+Megatron's optimizer, and runs K steps of `get_forward_backward_func()` over several
+microbatches followed by `optimizer.step()` (grad clipping inside). It returns a
+picklable record of everything the oracle compares, in the rank's local layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import torch
+
+from megatron_lora_patch.proof.testbed import data as testing_data
+from megatron_lora_patch.proof.testbed.pretrain import PER_TOKEN, forward_step_for
+from megatron_lora_patch.proof.testbed.rank import to_cpu
+
+#: Sentinel for `finalize_model_grads_func`: resolve Megatron's function when the run starts, so a patch
+#: that wrapped `megatron.core.distributed.finalize_model_grads` is picked up, as Megatron-LM's would be.
+MEGATRON_FINALIZE = "megatron"
+
+ParamPredicate = Callable[[str, torch.nn.Parameter], bool]
+ModulePredicate = Callable[[str, torch.nn.Module], bool]
+
+
+def trainable(name: str, param: torch.nn.Parameter) -> bool:
+    """Default capture predicate: every parameter the optimizer updates."""
+    return param.requires_grad
+
+
+@dataclasses.dataclass(frozen=True)
+class Capture:
+    """What `train_steps` records (module-level callables so it pickles to spawned ranks).
+
+    params: which parameters' grads and values to record (None: none).
+    params_every_step: record values after every step, not only after the last.
+    forward: which modules' forward outputs to record, per microbatch (None: none).
+    on_step_end: `fn(step, record, model_chunks)` called after each optimizer step; it
+        may add picklable entries to `record["extra"]` (for later issues' probes).
+    """
+
+    params: Optional[ParamPredicate] = trainable
+    params_every_step: bool = False
+    forward: Optional[ModulePredicate] = None
+    on_step_end: Optional[Callable[[int, dict, list], None]] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """The knobs of one run, identical on every topology compared with each other.
+
+    `global_batch_size` is fixed across topologies (Megatron's semantics); each DP rank
+    runs `global_batch_size / (micro_batch_size * dp)` microbatches.
+    `calculate_per_token_loss=None` leaves the model config as built (a patch may set it).
+    `finalize_model_grads_func=None` leaves `config.finalize_model_grads_func` unset.
+    `on_model_built(chunks)` runs on the bare model chunks before DDP wrapping.
+    `adam_eps` is 1e-4, not Megatron's 1e-8: with eps far below the fp32 noise of a
+    grad, Adam's update ~ lr * g / |g| turns reduction-order noise in near-zero grads
+    into O(lr) weight differences (6.5e-5 relative after step 2 on TP2+SP); at 1e-4 a
+    topology stays within 1.5e-6 of world 1 while Adam still normalizes typical grads.
+    """
+
+    steps: int = 2
+    seed: int = 1234
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    lr: float = 1e-2
+    clip_grad: float = 1.0
+    weight_decay: float = 0.01
+    adam_eps: float = 1e-4
+    calculate_per_token_loss: Optional[bool] = True
+    loss_variant: str = PER_TOKEN
+    finalize_model_grads_func: Union[str, Callable, None] = MEGATRON_FINALIZE
+    on_model_built: Optional[Callable[[list], None]] = None
+    capture: Capture = Capture()
+    data_path: Optional[str] = None  # a Megatron indexed dataset prefix read in order instead of random tokens
+
+
+def _rank_coordinates() -> Dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "rank": torch.distributed.get_rank(),
+        "world_size": torch.distributed.get_world_size(),
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "dp_rank": ps.get_data_parallel_rank(),
+        "cp_rank": ps.get_context_parallel_rank(),
+        "ep_rank": ps.get_expert_model_parallel_rank(),
+        "etp_rank": ps.get_expert_tensor_parallel_rank(),
+        "edp_rank": ps.get_expert_data_parallel_rank(),
+        "tp_size": ps.get_tensor_model_parallel_world_size(),
+        "pp_size": ps.get_pipeline_model_parallel_world_size(),
+        "dp_size": ps.get_data_parallel_world_size(),
+        "cp_size": ps.get_context_parallel_world_size(),
+        "ep_size": ps.get_expert_model_parallel_world_size(),
+        "etp_size": ps.get_expert_tensor_parallel_world_size(),
+    }
+
+
+def _wrap_like_get_model(chunks: list, settings: TrainSettings) -> list:
+    """Megatron-LM `get_model`: attribute defaults, Float16Module, DDP, DP broadcast."""
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    config = chunks[0].config
+    for chunk in chunks:
+        for param in chunk.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    if settings.calculate_per_token_loss is not None:
+        # Must happen before DDP is built: DDP picks its pre-reduction scaling from it.
+        config.calculate_per_token_loss = settings.calculate_per_token_loss
+    if config.fp16 or config.bf16:
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        # Megatron's distributed optimizer asserts CUDA tensors, and under it `main_grad` is
+        # only reduced on this rank's shard, so the testbed uses the plain optimizer.
+        use_distributed_optimizer=False,
+        # average_in_collective is incompatible with per-token loss (DDP asserts it).
+        average_in_collective=False,
+    )
+    wrapped = [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
+        for index, chunk in enumerate(chunks)
+    ]
+    for chunk in wrapped:
+        chunk.broadcast_params()
+    return wrapped
+
+
+def _build_optimizer(chunks: list, settings: TrainSettings):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = chunks[0].config
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=settings.lr,
+        min_lr=settings.lr,
+        weight_decay=settings.weight_decay,
+        adam_eps=settings.adam_eps,
+        clip_grad=settings.clip_grad,
+        fp16=config.fp16,
+        bf16=config.bf16,
+        params_dtype=config.params_dtype,
+    )
+    return get_megatron_optimizer(optimizer_config, chunks)
+
+
+def _resolve_finalize(choice: Union[str, Callable, None]) -> Optional[Callable]:
+    if choice == MEGATRON_FINALIZE:
+        from megatron.core import distributed
+
+        return distributed.finalize_model_grads
+    if choice is None or callable(choice):
+        return choice
+    raise ValueError(
+        f"finalize_model_grads_func must be {MEGATRON_FINALIZE!r}, None or a callable; got {choice!r}"
+    )
+
+
+def _single_chunk(chunks: list) -> torch.nn.Module:
+    if len(chunks) != 1:
+        raise ValueError(
+            f"the testbed records one model chunk per rank; got {len(chunks)} (virtual pipeline "
+            "stages are not supported: use pp without vpp)"
+        )
+    module = chunks[0]
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _captured_params(chunks: list, predicate: Optional[ParamPredicate]) -> Dict[str, tuple]:
+    """local name -> (parameter, its `shards.Shard` in the logical tensor) for matched params."""
+    from megatron_lora_patch.proof.testbed.shards import named_shards
+
+    if predicate is None:
+        return {}
+    return {name: (param, shard) for name, param, shard in named_shards(chunks) if predicate(name, param)}
+
+
+def _grad_of(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The finalized grad: `main_grad` under Megatron DDP, `.grad` otherwise."""
+    grad = getattr(param, "main_grad", None)
+    return grad if grad is not None else param.grad
+
+
+class _ForwardRecorder:
+    """Forward hooks that append each matched module's output, per microbatch."""
+
+    def __init__(self, model: torch.nn.Module, predicate: Optional[ModulePredicate]):
+        self.outputs: Dict[str, list] = {}
+        self._handles = []
+        if predicate is None:
+            return
+        for name, module in model.named_modules():
+            if predicate(name, module):
+                self._handles.append(module.register_forward_hook(self._hook(name)))
+
+    def _hook(self, name: str):
+        def record(module, inputs, output):
+            self.outputs.setdefault(name, []).append(to_cpu(output))
+
+        return record
+
+    def take(self) -> Dict[str, list]:
+        outputs, self.outputs = self.outputs, {}
+        return outputs
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _recording_losses(forward_step: Callable, sink: List[dict]) -> Callable:
+    """`forward_step` whose loss function also appends this rank's raw microbatch values to `sink`.
+
+    Read before the schedule divides the loss in place; the report dict may be a DP
+    average (legacy) and so is not a per-microbatch value.
+    """
+
+    def recorded_forward_step(data_iterator, model):
+        output_tensor, loss_function = forward_step(data_iterator, model)
+
+        def recorded_loss_function(output):
+            outputs = loss_function(output)
+            if len(outputs) == 3:
+                sink.append({"loss_sum": outputs[0].item(), "num_tokens": int(outputs[1])})
+            else:
+                sink.append({"loss_mean": outputs[0].item()})
+            return outputs
+
+        return output_tensor, recorded_loss_function
+
+    return recorded_forward_step
+
+
+def _reduced_lm_loss(reports: List[dict]) -> Optional[float]:
+    """Megatron-LM `train_step`'s logged loss: token mean over DP x CP, or mean of means (legacy)."""
+    from megatron.core import parallel_state
+
+    if not reports:
+        return None
+    values = [report["lm loss"].view(-1) for report in reports]
+    if values[0].numel() == 2:
+        total = torch.vstack(values).sum(dim=0)
+        torch.distributed.all_reduce(
+            total, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+        )
+        return (total[0] / total[1]).item()
+    return torch.cat(values).mean().item()
+
+
+def _global_batches(spec, settings: TrainSettings) -> List[testing_data.Batch]:
+    """Each step's global batch: seeded random tokens, or `settings.data_path`'s first tokens in order."""
+    per_step = settings.global_batch_size * (spec.seq_length + 1)
+    corpus = None
+    if settings.data_path:
+        corpus = testing_data.read_corpus(settings.data_path, per_step * settings.steps, spec.vocab_size)
+    return [
+        testing_data.make_global_batch(
+            settings.seed + step, settings.global_batch_size, spec.seq_length, spec.vocab_size,
+            stream=None if corpus is None else corpus[step * per_step : (step + 1) * per_step],
+        )
+        for step in range(settings.steps)
+    ]
+
+
+def train_steps(spec, topology, settings: TrainSettings = TrainSettings()) -> dict:
+    """Run `settings.steps` Megatron training steps on this rank; return its picklable record.
+
+    Returned dict (tensors are CPU copies in this rank's local layout, keyed by the
+    local parameter / module name of the unwrapped model):
+      coords: rank, world_size and this rank's tp/pp/dp/cp/ep/etp/edp ranks and sizes
+      is_last_stage: whether losses were computed here
+      num_microbatches: per DP rank
+      shards: {name: shards.Shard} where each captured local tensor sits in its logical tensor
+      initial_params: {name: tensor} before the first step (after the DP broadcast)
+      steps: one dict per step:
+        microbatches: this rank's raw loss-function values per microbatch, in order:
+                      [{'loss_sum': float, 'num_tokens': int}] (per-token contract) or
+                      [{'loss_mean': float}] (legacy; CP ranks hold shares that sum to the
+                      mean); empty off the last stage
+        lm_loss: the reported loss (train_step's reduction), None off the last stage
+        grad_norm: float from optimizer.step() (clipping uses it), None if no params
+        update_successful: bool
+        grads: {name: tensor} after finalize_model_grads, before clipping
+        params: {name: tensor} after the step (every step, or the last one only)
+        forward: {module name: [output per microbatch]}
+        extra: whatever `capture.on_step_end` added
+    """
+    from megatron.core import parallel_state
+
+    run = _build_run(spec, topology, settings)
+    record = {
+        "coords": _rank_coordinates(),
+        "is_last_stage": parallel_state.is_pipeline_last_stage(),
+        "num_microbatches": run.num_microbatches,
+        "shards": {name: shard for name, (_, shard) in run.captured.items()},
+        "initial_params": {name: to_cpu(param) for name, (param, _) in run.captured.items()},
+        "steps": [],
+    }
+    try:
+        for step, global_batch in enumerate(_global_batches(spec, settings)):
+            step_record = _train_step(run, spec, settings, step, global_batch)
+            if settings.capture.on_step_end is not None:
+                settings.capture.on_step_end(step, step_record, run.chunks)
+            record["steps"].append(step_record)
+    finally:
+        run.recorder.remove()
+    return record
+
+
+@dataclasses.dataclass
+class _Run:
+    """What every step of one `train_steps` call uses: the wrapped chunks and what drives them."""
+
+    chunks: list
+    optimizer: Any
+    captured: Dict[str, tuple]
+    recorder: Any
+    forward_step: Callable
+    microbatch_losses: List[dict]
+    num_microbatches: int
+
+
+def _build_run(spec, topology, settings: TrainSettings) -> _Run:
+    """Build the model (DDP-wrapped like `get_model`), its optimizer and the step's recorders."""
+    from megatron.core import parallel_state
+
+    from megatron_lora_patch.proof.testbed.models import build_model
+
+    # A spec that builds its own model (testbed.args_model: the user's architecture) does so.
+    builder = getattr(spec, "build_model", None)
+    chunks = builder(topology, settings.seed) if builder else build_model(spec, topology, seed=settings.seed)
+    if settings.on_model_built is not None:
+        settings.on_model_built(chunks)
+    chunks = _wrap_like_get_model(chunks, settings)
+    optimizer = _build_optimizer(chunks, settings)
+    config = chunks[0].config
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = _resolve_finalize(settings.finalize_model_grads_func)
+    losses: List[dict] = []
+    return _Run(
+        chunks=chunks,
+        optimizer=optimizer,
+        captured=_captured_params(chunks, settings.capture.params),
+        recorder=_ForwardRecorder(_single_chunk(chunks), settings.capture.forward),
+        forward_step=_recording_losses(forward_step_for(settings.loss_variant), losses),
+        microbatch_losses=losses,
+        num_microbatches=testing_data.num_microbatches_for(
+            settings.global_batch_size, settings.micro_batch_size, parallel_state.get_data_parallel_world_size()
+        ),
+    )
+
+
+def _train_step(run: _Run, spec, settings: TrainSettings, step: int, global_batch: testing_data.Batch) -> dict:
+    """One optimizer step on this DP rank's microbatches of `global_batch`; the step's record."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    microbatches = testing_data.dp_rank_microbatches(global_batch, dp_rank, dp_size, settings.micro_batch_size)
+    run.microbatch_losses.clear()
+    for chunk in run.chunks:
+        chunk.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    reports = get_forward_backward_func()(
+        forward_step_func=run.forward_step,
+        data_iterator=iter(microbatches),
+        model=run.chunks,
+        num_microbatches=run.num_microbatches,
+        seq_length=spec.seq_length,
+        micro_batch_size=settings.micro_batch_size,
+        decoder_seq_length=spec.seq_length,
+        forward_only=False,
+    )
+    # Clone now: the optimizer clips these very tensors in place.
+    grads = {name: to_cpu(_grad_of(param)) for name, (param, _) in run.captured.items()}
+    update_successful, grad_norm, _ = run.optimizer.step()
+    keep_params = step == settings.steps - 1 or settings.capture.params_every_step
+    return {
+        "microbatches": list(run.microbatch_losses),
+        "lm_loss": _reduced_lm_loss(reports),
+        "grad_norm": None if grad_norm is None else float(grad_norm),
+        "update_successful": bool(update_successful),
+        "grads": grads,
+        "params": {name: to_cpu(param) for name, (param, _) in run.captured.items()} if keep_params else {},
+        "forward": run.recorder.take(),
+        "extra": {},
+    }

@@ -1,0 +1,362 @@
+"""Tiny Megatron-Core GPT models (dense and MoE, local spec) with topology-independent weights.
+
+A `TinyGPTSpec` describes the model; `build_model(spec, topology, seed)` builds this
+rank's model chunk(s) inside an initialized world and loads its slice of
+`logical_state_dict(spec, seed)`, the full world-size-1 weights drawn from
+(seed, parameter name) alone. So the world-1 model and every topology hold the same
+logical weights; `testbed.shards` maps rank-local tensors to and from that layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Optional
+
+DEFAULT_SEED = 1234
+
+
+@dataclass(frozen=True)
+class TinyGPTSpec:
+    """A small GPT: RMSNorm, GQA, SwiGLU, RoPE, no linear biases; MoE when `num_experts` is set.
+
+    Query groups (2) bound tensor parallelism to tp <= 2 for attention; vocab 128 divides
+    every tp up to 8, so no vocab padding is needed (padding would depend on tp).
+    """
+
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 128
+    num_layers: int = 2
+    vocab_size: int = 128
+    seq_length: int = 16
+    tie_embeddings: bool = False
+    dtype: str = "float32"  # "float32" | "bfloat16"
+    init_std: float = 0.02
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_token_dispatcher_type: str = "allgather"  # "allgather" | "alltoall"
+    moe_ffn_hidden_size: Optional[int] = None  # defaults to ffn_hidden_size
+    #: A `HybridModel` (Megatron-Core 0.18+) of attention (`*`) and MLP (`-`) layers, one char per layer.
+    hybrid_pattern: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.moe_token_dispatcher_type not in ("allgather", "alltoall"):
+            raise ValueError(
+                f"moe_token_dispatcher_type must be 'allgather' or 'alltoall', got {self.moe_token_dispatcher_type!r}"
+            )
+        if self.hybrid_pattern is not None and (
+            set(self.hybrid_pattern) - set("*-") or len(self.hybrid_pattern) != self.num_layers or self.num_experts
+        ):
+            raise ValueError(
+                f"hybrid_pattern must hold one '*' (attention) or '-' (MLP) per layer and no experts, got {self.hybrid_pattern!r}"
+            )
+        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_query_groups:
+            raise ValueError("hidden_size must divide by num_attention_heads, and heads by num_query_groups")
+
+    @classmethod
+    def moe(cls, dispatcher: str = "allgather", **overrides: Any) -> "TinyGPTSpec":
+        """The MoE variant: 4 SequentialMLP experts, top-2 routing, the given token dispatcher."""
+        return cls(num_experts=4, moe_token_dispatcher_type=dispatcher, **overrides)
+
+    def replace(self, **changes: Any) -> "TinyGPTSpec":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def hybrid(cls, pattern: str = "*-*-", **overrides: Any) -> "TinyGPTSpec":
+        """The hybrid variant: a `HybridModel` whose layers alternate as `pattern` says."""
+        return cls(hybrid_pattern=pattern, num_layers=len(pattern), **overrides)
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
+
+    @property
+    def family(self) -> str:
+        """dense | moe | hybrid: the model kind reports and oracle settings name."""
+        return "hybrid" if self.hybrid_pattern else "moe" if self.is_moe else "dense"
+
+    def layer_kinds(self) -> str:
+        """One char per layer: '*' attention + MLP (GPT), else the hybrid pattern's '*' / '-'."""
+        return self.hybrid_pattern or "G" * self.num_layers
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+def _sharded_dimensions(spec: TinyGPTSpec) -> dict[str, dict[str, int]]:
+    """Parallel size -> the model dimensions Megatron splits by it (each must divide evenly)."""
+    tensor = {"num_attention_heads": spec.num_attention_heads, "num_query_groups": spec.num_query_groups,
+              "vocab_size": spec.vocab_size}
+    if not spec.is_moe:  # every layer of the MoE model is an MoE layer: no dense MLP to split
+        tensor["ffn_hidden_size"] = spec.ffn_hidden_size
+    return {"tp": tensor, "etp": {"moe_ffn_hidden_size": spec.expert_ffn_hidden_size} if spec.is_moe else {}}
+
+
+def check_topology_fits(spec: TinyGPTSpec, topology: Any) -> None:
+    """Raise one `TopologyError` if `topology` cannot run `spec`: heads, query groups, vocab and
+    ffn (expert ffn) must divide by tp (etp), plus `Topology.validate` (experts, layers, sequence)."""
+    from megatron_lora_patch.proof.testbed.topology import TopologyError
+
+    problems = []
+    for part, dimensions in _sharded_dimensions(spec).items():
+        size = getattr(topology, part)
+        uneven = [f"{name}={value}" for name, value in dimensions.items() if value % size]
+        if uneven:
+            fitting = [str(n) for n in range(1, 9) if all(value % n == 0 for value in dimensions.values())]
+            problems.append(
+                f"{', '.join(uneven)} {'is' if len(uneven) == 1 else 'are'} not divisible by {part}{size}; "
+                f"use {part} in {{{', '.join(fitting)}}}"
+            )
+    try:
+        topology.validate(num_experts=spec.num_experts, num_layers=spec.num_layers, seq_length=spec.seq_length)
+    except TopologyError as error:
+        problems.append(error.reason)
+    if problems:
+        raise TopologyError("; ".join(problems), subject=f"topology {str(topology)!r} does not fit the model")
+
+
+def logical_shapes(spec: TinyGPTSpec) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of the world-size-1 model (Megatron's names and layouts).
+
+    `linear_qkv.weight` rows are Megatron's grouped layout [q_g0, k_g0, v_g0, q_g1, ...];
+    `linear_fc1.weight` rows are [gate; up] (SwiGLU).
+    """
+    hidden, kv = spec.hidden_size, spec.kv_channels
+    qkv_rows = (spec.num_attention_heads + 2 * spec.num_query_groups) * kv
+    shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (spec.vocab_size, hidden)}
+    for layer, kind in enumerate(spec.layer_kinds()):
+        prefix = f"decoder.layers.{layer}."
+        if kind in "G*":
+            shapes[prefix + "input_layernorm.weight"] = (hidden,)
+            shapes[prefix + "self_attention.linear_qkv.weight"] = (qkv_rows, hidden)
+            shapes[prefix + "self_attention.linear_proj.weight"] = (hidden, spec.num_attention_heads * kv)
+        if kind == "*":
+            continue
+        shapes[prefix + "pre_mlp_layernorm.weight"] = (hidden,)
+        if spec.is_moe:
+            ffn = spec.expert_ffn_hidden_size
+            shapes[prefix + "mlp.router.weight"] = (spec.num_experts, hidden)
+            for expert in range(spec.num_experts):
+                expert_prefix = f"{prefix}mlp.experts.local_experts.{expert}."
+                shapes[expert_prefix + "linear_fc1.weight"] = (2 * ffn, hidden)
+                shapes[expert_prefix + "linear_fc2.weight"] = (hidden, ffn)
+        else:
+            shapes[prefix + "mlp.linear_fc1.weight"] = (2 * spec.ffn_hidden_size, hidden)
+            shapes[prefix + "mlp.linear_fc2.weight"] = (hidden, spec.ffn_hidden_size)
+    if not spec.hybrid_pattern:  # the hybrid stack's final norm is TE-only: built without one (hybrid_stack_spec)
+        shapes["decoder.final_layernorm.weight"] = (hidden,)
+    if not spec.tie_embeddings:
+        shapes["output_layer.weight"] = (spec.vocab_size, hidden)
+    return shapes
+
+
+def _name_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def logical_state_dict(spec: TinyGPTSpec, seed: int = DEFAULT_SEED) -> dict[str, Any]:
+    """The full world-size-1 weights (fp32, CPU), each drawn from (seed, name) only.
+
+    Norm weights are 1 + noise (not all ones) so a wrong norm shard or a missing norm
+    grad reduction changes results.
+    """
+    import torch
+
+    weights = {}
+    for name, shape in logical_shapes(spec).items():
+        generator = torch.Generator().manual_seed(_name_seed(seed, name))
+        noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+        weights[name] = 1.0 + 0.1 * noise if name.endswith("layernorm.weight") else spec.init_std * noise
+    return weights
+
+
+def transformer_config(
+    spec: TinyGPTSpec,
+    topology: Any = None,
+    *,
+    calculate_per_token_loss: bool = False,
+    perform_initialization: bool = True,
+    **overrides: Any,
+):
+    """Megatron `TransformerConfig` of `spec` on `topology` (any object with tp, pp, cp, ep, etp, sp).
+
+    `topology=None` is the world-size-1 reference. Keep `perform_initialization` on even
+    though `build_model` overwrites every weight: with CPU initialization Megatron sets
+    the `tensor_model_parallel` / `partition_dim` param attributes only while initializing.
+    `overrides` go straight to `TransformerConfig` (e.g. `moe_aux_loss_coeff`).
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    sizes = {name: getattr(topology, name, 1) if topology is not None else 1 for name in ("tp", "pp", "cp", "ep", "etp")}
+    dtype = spec.torch_dtype
+    options: dict[str, Any] = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.kv_channels,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=spec.init_std,
+        # the fused CUDA kernels off: the same math in plain torch ops, on CPU too
+        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        persist_layer_norm=False, gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=sizes["tp"],
+        pipeline_model_parallel_size=sizes["pp"],
+        context_parallel_size=sizes["cp"],
+        expert_model_parallel_size=sizes["ep"],
+        expert_tensor_parallel_size=sizes["etp"],
+        sequence_parallel=bool(getattr(topology, "sp", False)),
+        use_cpu_initialization=True,
+        perform_initialization=perform_initialization,
+        params_dtype=dtype,
+        bf16=spec.dtype == "bfloat16",
+        pipeline_dtype=dtype,
+        calculate_per_token_loss=calculate_per_token_loss,
+    )
+    if spec.is_moe:
+        options.update(
+            num_moe_experts=spec.num_experts,
+            moe_router_topk=spec.moe_router_topk,
+            moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
+            moe_ffn_hidden_size=spec.expert_ffn_hidden_size,
+            moe_grouped_gemm=False,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+        )
+    options.update(overrides)
+    return TransformerConfig(**options)
+
+
+def layer_spec(spec: TinyGPTSpec, topology: Any = None):
+    """Megatron's local (non-TE) GPT layer spec: RMSNorm, SequentialMLP experts for MoE.
+
+    With cp > 1 the core attention is the testbed's `cp_attention.ContextParallelDotProductAttention`
+    (Megatron's local attention has no CP); world size 1 keeps Megatron's own `DotProductAttention`.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    layer = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    if getattr(topology, "cp", 1) > 1:
+        from megatron_lora_patch.proof.testbed.cp_attention import ContextParallelDotProductAttention
+
+        layer.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention
+    return layer
+
+
+def hybrid_stack_spec(spec: TinyGPTSpec, topology: Any = None):
+    """A local (non-TE) `HybridStack` spec (Megatron-Core 0.18+; `MambaStack` before) for the attention
+    (`*`) and MLP (`-`) layers of a hybrid pattern, cut from the GPT local layer spec: their linears are
+    the GPT model's."""
+    import dataclasses as dc
+
+    try:
+        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    except ImportError:  # up to 0.17 the same stack is MambaStack
+        from megatron.core.ssm.mamba_block import MambaStack as HybridStack
+        from megatron.core.ssm.mamba_block import MambaStackSubmodules as HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    gpt = layer_spec(spec, topology)
+    no_mlp = dict(pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityFuncOp)
+    no_attention = dict(input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp)
+    attention = dc.replace(gpt, submodules=dc.replace(gpt.submodules, **no_mlp))
+    mlp = ModuleSpec(module=MLPLayer, submodules=dc.replace(gpt.submodules, **no_attention))
+    # no final norm: HybridStack builds it as TENorm whatever the spec says, and TE is absent here
+    submodules = HybridStackSubmodules(attention_layer=attention, mlp_layer=mlp)
+    return ModuleSpec(module=HybridStack, submodules=submodules, params={"post_layer_norm": False})
+
+
+def build_model(
+    spec: TinyGPTSpec,
+    topology: Any = None,
+    seed: int = DEFAULT_SEED,
+    *,
+    calculate_per_token_loss: bool = False,
+    state_dict: Optional[dict] = None,
+    **config_overrides: Any,
+) -> list:
+    """This rank's GPTModel (HybridModel for a hybrid spec) chunk(s), one per PP stage, no virtual stages,
+    with the logical weights loaded.
+
+    Needs `parallel_state` initialized for `topology` (e.g. inside `Topology.world()`);
+    `topology=None` means world size 1. `state_dict` (logical layout) defaults to
+    `logical_state_dict(spec, seed)`.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_lora_patch.proof.testbed import shards
+
+    _check_parallel_state(topology)
+    config = transformer_config(
+        spec, topology, calculate_per_token_loss=calculate_per_token_loss, **config_overrides
+    )
+    common = dict(
+        config=config,
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_embeddings,
+        position_embedding_type="rope",
+    )
+    if spec.hybrid_pattern:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+        stages = getattr(topology, "pp", 1)
+        per_stage = spec.num_layers // stages  # '|' marks Megatron's stage boundaries (0.19 deprecates implicit ones)
+        pattern = "|".join(spec.hybrid_pattern[i : i + per_stage] for i in range(0, spec.num_layers, per_stage))
+        model = HybridModel(hybrid_stack_spec=hybrid_stack_spec(spec, topology), hybrid_layer_pattern=pattern, **common)
+    else:
+        model = GPTModel(transformer_layer_spec=layer_spec(spec, topology), **common)
+    chunks = [model]
+    shards.load_logical(chunks, state_dict if state_dict is not None else logical_state_dict(spec, seed))
+    return chunks
+
+
+def _check_parallel_state(topology: Any) -> None:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("build_model needs Megatron's parallel_state; build inside Topology.world() / initialize()")
+    expected = {
+        "tp": getattr(topology, "tp", 1),
+        "pp": getattr(topology, "pp", 1),
+        "cp": getattr(topology, "cp", 1),
+        "ep": getattr(topology, "ep", 1),
+        "etp": getattr(topology, "etp", 1),
+    }
+    actual = {
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "cp": parallel_state.get_context_parallel_world_size(),
+        "ep": parallel_state.get_expert_model_parallel_world_size(),
+        "etp": parallel_state.get_expert_tensor_parallel_world_size(),
+    }
+    if expected != actual:
+        raise RuntimeError(f"build_model topology {expected} does not match the initialized parallel_state {actual}")

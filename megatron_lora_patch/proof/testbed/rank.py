@@ -1,0 +1,153 @@
+"""The rank side of `testbed.launcher.run_world`: what runs inside each spawned rank process.
+
+`rank_main` isolates the rank (own process group, dies with its parent, stack dumps on
+SIGUSR1), runs the function and sends one message back; results travel as `torch.save`
+bytes of detached CPU copies (`to_cpu`), or plain pickle when the rank never imported
+torch. `gloo_process_group` is how a rank joins the world the parent's store hosts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import ctypes
+import ctypes.util
+import io
+import itertools
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Iterator
+
+_PR_SET_PDEATHSIG = 1
+
+
+def loads(encoded: tuple[str, bytes]) -> Any:
+    codec, body = encoded
+    if codec == "pickle":
+        return pickle.loads(body)
+    import torch
+
+    return torch.load(io.BytesIO(body), map_location="cpu", weights_only=False)
+
+
+def dumps(value: Any) -> tuple[str, bytes]:
+    """Encode a rank's result: ``torch.save`` if the rank uses torch, plain pickle otherwise (no torch import)."""
+    if "torch" not in sys.modules:
+        return "pickle", pickle.dumps(value)
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(to_cpu(value), buffer)
+    return "torch", buffer.getvalue()
+
+
+def to_cpu(value: Any) -> Any:
+    """Detached compact CPU copies of tensors inside dicts / lists / tuples (views would ship their whole storage)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu").clone()
+    if isinstance(value, dict):
+        converted = copy.copy(value)  # keeps dict subclasses (OrderedDict, defaultdict) intact
+        converted.update((key, to_cpu(item)) for key, item in value.items())
+        return converted
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(to_cpu(item) for item in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(item) for item in value)
+    return value
+
+
+def rank_main(
+    payload: bytes, env: dict[str, str], conn: Any, parent_pid: int, stack_file: str, warnings_action: str = "default"
+) -> None:
+    """Entry point of a rank process: isolate, configure, run ``fn``, send one message back."""
+    import warnings
+
+    warnings.simplefilter(warnings_action)  # before unpickling fn imports torch / Megatron
+    os.setpgid(0, 0)  # own process group, so the parent can kill this rank with all its descendants
+    _die_with_parent(parent_pid)
+    os.environ.update(env)  # before torch is imported (unpickling fn may import it)
+    stack_handle = open(stack_file, "w", encoding="utf-8")
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, file=stack_handle, all_threads=True)
+    try:
+        fn, args, kwargs = pickle.loads(payload)
+        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        if "torch" in sys.modules:  # OMP_NUM_THREADS covers a later import; this covers an earlier one
+            sys.modules["torch"].set_num_threads(1)
+        result = fn(rank, world_size, *args, **kwargs)
+        message = ("ok", dumps(result))
+    except BaseException:
+        message = ("error", traceback.format_exc())
+    conn.send(message)
+    conn.close()
+    # Skip interpreter teardown (seconds once torch and Megatron are loaded): the message is
+    # already in the pipe, so only buffered output needs flushing.
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Make the kernel SIGKILL this rank when the parent dies; fall back to polling where prctl is missing."""
+    libc_name = ctypes.util.find_library("c")
+    prctl = getattr(ctypes.CDLL(libc_name, use_errno=True), "prctl", None) if libc_name else None
+    if prctl is not None and prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+
+_group_round = itertools.count()
+
+
+@contextlib.contextmanager
+def gloo_process_group(timeout_s: float | None = None) -> Iterator[None]:
+    """Initialize the default torch.distributed process group with gloo from the rank's env; destroy it on exit.
+
+    Reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` (set by
+    :func:`run_world` and by ``torchrun``). Each use in a process joins under a fresh
+    key prefix, so a rank may open and close several worlds in sequence (all ranks in
+    the same order). ``timeout_s`` bounds each collective (torch's default if ``None``).
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("gloo_process_group(): torch.distributed is already initialized in this process")
+    missing = [key for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if key not in os.environ]
+    if missing:
+        raise RuntimeError(f"gloo_process_group(): environment lacks {missing}; run under run_world() or torchrun")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0 and not agent_store,
+        **({"timeout": timeout} if timeout is not None else {}),
+    )
+    store = dist.PrefixStore(f"gloo_process_group/{next(_group_round)}", store)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, **({"timeout": timeout} if timeout else {}))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,141 @@
+"""Column- and row-parallel linears (base + LoRA) computed as the world-size-1 GEMMs.
+
+Installed on `ColumnParallelLinear._forward_impl` / `RowParallelLinear._forward_impl`
+(a method from Megatron-Core 0.14): the layer's own `forward` still decides the input
+mapping, `gather_output`, the bias and the row reduction; only the matmul changes.
+
+- column: the input (sequence-gathered under SP; its backward then keeps the local
+  slice, since the input grad is complete on every rank) times the gathered full
+  weight, in the TP = 1 layout; the LoRA branch `s * (x A^T) B^T` with the gathered full
+  B. The full output is computed, then the local columns are kept (backward all-gathers
+  the output grad, so the input grad `dy W` and `dy B` run over the full output width in
+  the TP = 1 order: no partial dgrad, no all-reduce / reduce-scatter of it, and the
+  replicated A gets its complete grad on every rank).
+- row: the input gathered along K, the gathered full weight, and the LoRA branch with
+  the gathered full A: one full-K GEMM per term, the output identical on every rank.
+  Megatron's all-reduce / reduce-scatter that follows is made exact by
+  `owned_by_first_rank`, and the replicated B gets its complete grad on every rank.
+
+Compute and activation cost: every GEMM runs at full size on every rank (TP times the
+work of a shard) and the full weights are gathered per call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_lora_patch.tp_invariant.collectives import gather_logical, local_slice, owned_by_first_rank
+from megatron_lora_patch.lora.linear import adapter_of, add_up_projection
+from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
+
+#: Attribute a patch sets on a column layer whose shards interleave two halves (SwiGLU fc1)
+#: when the weight's own `partition_stride` does not say so.
+OUT_STRIDE_ATTRIBUTE = "tp_invariant_out_stride"
+
+
+def _linear_arguments(
+    input,
+    weight,
+    bias=None,
+    gradient_accumulation_fusion=False,
+    allreduce_dgrad=False,
+    sequence_parallel=False,
+    grad_output_buffer=None,
+    wgrad_deferral_limit=None,
+    tp_group=None,
+    **unknown,
+) -> dict:
+    """Megatron's linear-function arguments by name (0.14-0.16 pass them as keywords)."""
+    if grad_output_buffer is not None:
+        raise TPInvariantUnsupported(
+            "tp_invariant: defer_embedding_wgrad_compute is not supported; turn it off with the TP-invariant mode"
+        )
+    return {"input": input, "weight": weight, "bias": bias, "sequence_parallel": sequence_parallel}
+
+
+def _check_supported(layer: Any) -> None:
+    if getattr(layer, "is_expert", False) or getattr(layer, "explicit_expert_comm", False):
+        raise TPInvariantUnsupported(
+            "tp_invariant supports dense tensor/sequence parallelism only; expert layers (MoE EP/ETP) are not "
+            "TP-invariant yet: turn the tp_invariant patch off for MoE models"
+        )
+    if getattr(layer, "disable_grad_reduce", False):
+        raise TPInvariantUnsupported("tp_invariant: layers built with disable_grad_reduce=True are not supported")
+
+
+def _check_adapter(adapter: Any) -> None:
+    if adapter.dropout and adapter.training:
+        raise TPInvariantUnsupported(
+            "tp_invariant: LoRA dropout draws per-rank masks on sharded inputs, which differ across TP degrees; "
+            "set the LoRA dropout to 0 in the TP-invariant mode"
+        )
+
+
+def _matmul(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`F.linear` on the 2-D view of `input`: CPU kernels pick their path from the strides, and a
+    size-1 batch dim can carry any stride (TP = 1 and TP = n hand over different ones)."""
+    flat = F.linear(input.reshape(-1, input.shape[-1]), weight, bias)
+    return flat.view(*input.shape[:-1], flat.shape[-1])
+
+
+def _plus_lora(output: torch.Tensor, adapter: Any, total: torch.Tensor, lora_a: torch.Tensor,
+               lora_b: torch.Tensor) -> torch.Tensor:
+    """`output + (s * x A^T) B^T` at full width, fused into one GEMM with accumulation
+    (`add_up_projection`): both contractions over the full dimension, in the TP = 1 order."""
+    _check_adapter(adapter)
+    return add_up_projection(output, _matmul(total, lora_a) * adapter.scale, lora_b)
+
+
+def _stride(layer: Any, tensor: torch.Tensor) -> int:
+    return max(getattr(tensor, "partition_stride", 1), getattr(layer, OUT_STRIDE_ATTRIBUTE, 1))
+
+
+def column_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  sequence_parallel: bool) -> torch.Tensor:
+    """This rank's output columns, cut from the full world-size-1 output (base + LoRA)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    _check_supported(layer)
+    group = layer.tp_group
+    if sequence_parallel:
+        # tensor_parallel_output_grad=False: backward keeps the local slice of the complete input grad.
+        total = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=False, group=group)
+    else:
+        total = input  # non-SP: no dgrad all-reduce; every rank computes the complete input grad
+    stride = _stride(layer, weight)
+    full_bias = None if bias is None else gather_logical(bias, 0, stride, group)
+    output = _matmul(total, gather_logical(weight, 0, stride, group), full_bias)
+    adapter = adapter_of(layer)
+    if adapter is not None:
+        full_b = gather_logical(adapter.B, 0, _stride(layer, adapter.B), group)
+        output = _plus_lora(output, adapter, total, adapter.A, full_b)
+    return local_slice(output, -1, stride, group)
+
+
+def row_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The full world-size-1 output (base + LoRA), contributed by TP rank 0 to Megatron's reduction."""
+    _check_supported(layer)
+    group = layer.tp_group
+    total = gather_logical(input, -1, 1, group)
+    output = _matmul(total, gather_logical(weight, 1, 1, group))
+    adapter = adapter_of(layer)
+    if adapter is not None:
+        output = _plus_lora(output, adapter, total, gather_logical(adapter.A, 1, 1, group), adapter.B)
+    return owned_by_first_rank(output, group)
+
+
+def column_forward_impl(wrapped, instance, args, kwargs):
+    """wrapt wrapper of `ColumnParallelLinear._forward_impl`."""
+    call = _linear_arguments(*args, **kwargs)
+    return column_linear(instance, call["input"], call["weight"], call["bias"], call["sequence_parallel"])
+
+
+def row_forward_impl(wrapped, instance, args, kwargs):
+    """wrapt wrapper of `RowParallelLinear._forward_impl` (Megatron adds the row bias after the reduction)."""
+    call = _linear_arguments(*args, **kwargs)
+    if call["bias"] is not None:
+        raise TPInvariantUnsupported("tp_invariant: a bias inside the row-parallel matmul is not supported")
+    return row_linear(instance, call["input"], call["weight"])
