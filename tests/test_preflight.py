@@ -223,3 +223,14 @@ def test_bad_data_path_is_one_usage_error(user_environ, tmp_path):
     short = _corpus(tmp_path, sequences=1)
     with pytest.raises(UsageError, match=r"holds 50 tokens, the preflight needs \d+; use fewer --steps"):
         preflight.make_plan(_options(_with_data([*DENSE, *TP2_SP], short)))
+
+
+def test_dense_dp2_distributed_optimizer_passes_and_ddp_averaging_on_top_fails(user_environ):
+    """`--use-distributed-optimizer` runs as given (reduce-scattered grads, sharded optimizer state) against a
+    world-1 reference with the plain optimizer; the negative control (DDP also averaging over DP) fails >= 100x."""
+    arguments = [*DENSE, "--use-distributed-optimizer"]
+    plan = preflight.make_plan(_options(arguments, data_parallel_size=2))
+    assert "use_distributed_optimizer" not in {change["setting"] for change in plan.describe()["changed"]}
+    _assert_passed(preflight.run_plan(plan), "dp2", ["dense"])
+    report = preflight.run_plan(preflight.make_plan(_options(arguments, data_parallel_size=2, mutation="ddp_average_on_top")))
+    assert not report.passed and report.drift["over_threshold"] >= 100, report.table()

@@ -307,6 +307,8 @@ def _run(plan: Plan, topology, mutation):
         steps=plan.steps, seed=plan.spec.args.seed, micro_batch_size=micro_batch_size,
         global_batch_size=micro_batch_size * plan.topology.dp * plan.micro_batches, capture=capture,
         data_path=plan.data_path,
+        # The world-1 reference keeps the plain optimizer: an independent check of the distributed one.
+        use_distributed_optimizer=bool(plan.spec.args.use_distributed_optimizer) and topology.world_size > 1,
     )
     if mutation is not None and mutation.settings:
         settings = dataclasses.replace(settings, **mutation.settings)

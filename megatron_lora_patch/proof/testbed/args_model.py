@@ -31,7 +31,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 from megatron_lora_patch.errors import UsageError
 
 DENSE, MOE = "dense", "moe"
-#: What does not run on CPU (fused CUDA kernels: the same math; TE; the distributed optimizer): (argument, value).
+#: What does not run on CPU (fused CUDA kernels: the same math; TE): (argument, value).
 CPU_OFF = (
     ("apply_rope_fusion", False),
     ("bias_swiglu_fusion", False),
@@ -43,7 +43,6 @@ CPU_OFF = (
     ("no_persist_layer_norm", True),
     ("moe_grouped_gemm", False),
     ("transformer_impl", "local"),
-    ("use_distributed_optimizer", False),  # Megatron's asserts CUDA tensors; the testbed runs the plain optimizer
 )
 DROPOUT_OFF = (("hidden_dropout", 0.0), ("attention_dropout", 0.0))
 #: Arguments that fix a per-layer structure the depth cut would break.

@@ -1,12 +1,11 @@
 """The in-rank training loop: Megatron-LM's `train_step`, on the testbed.
 
-`train_steps` runs inside every rank after the topology initialized `parallel_state`.
-It builds the tiny model, wraps it like Megatron-LM's `get_model` (Float16Module for
-half precision, Megatron DDP, DP broadcast), sets the config callbacks like
-`setup_model_and_optimizer` (`grad_scale_func`, `finalize_model_grads_func`), builds
-Megatron's optimizer, and runs K steps of `get_forward_backward_func()` over several
-microbatches followed by `optimizer.step()` (grad clipping inside). It returns a
-picklable record of everything the oracle compares, in the rank's local layout.
+`train_steps` runs inside every rank after the topology initialized `parallel_state`. It builds
+the model, wraps it like Megatron-LM's `get_model` (Float16Module for half precision, Megatron
+DDP, DP broadcast), sets the config callbacks like `setup_model_and_optimizer`, builds Megatron's
+optimizer (plain or distributed) and runs K steps of `get_forward_backward_func()` over several
+microbatches, then `optimizer.step()` (clipping inside). It returns a picklable record of
+everything the oracle compares, in the rank's local layout.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
-from megatron_lora_patch.proof.testbed import data as testing_data
+from megatron_lora_patch.proof.testbed import data as testing_data, distributed_optimizer
 from megatron_lora_patch.proof.testbed.pretrain import PER_TOKEN, forward_step_for
 from megatron_lora_patch.proof.testbed.rank import to_cpu
 
@@ -79,6 +78,7 @@ class TrainSettings:
     on_model_built: Optional[Callable[[list], None]] = None
     capture: Capture = Capture()
     data_path: Optional[str] = None  # a Megatron indexed dataset prefix read in order instead of random tokens
+    use_distributed_optimizer: bool = False  # grads are gathered back for capture (testbed.distributed_optimizer)
 
 
 def _rank_coordinates() -> Dict[str, int]:
@@ -121,9 +121,7 @@ def _wrap_like_get_model(chunks: list, settings: TrainSettings) -> list:
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        # Megatron's distributed optimizer asserts CUDA tensors, and under it `main_grad` is
-        # only reduced on this rank's shard, so the testbed uses the plain optimizer.
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
         # average_in_collective is incompatible with per-token loss (DDP asserts it).
         average_in_collective=False,
     )
@@ -150,6 +148,7 @@ def _build_optimizer(chunks: list, settings: TrainSettings):
         fp16=config.fp16,
         bf16=config.bf16,
         params_dtype=config.params_dtype,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
     )
     return get_megatron_optimizer(optimizer_config, chunks)
 
@@ -383,6 +382,8 @@ def _train_step(run: _Run, spec, settings: TrainSettings, step: int, global_batc
         decoder_seq_length=spec.seq_length,
         forward_only=False,
     )
+    if settings.use_distributed_optimizer and run.captured:
+        distributed_optimizer.gather_reduced_grads(run.chunks)
     # Clone now: the optimizer clips these very tensors in place.
     grads = {name: to_cpu(_grad_of(param)) for name, (param, _) in run.captured.items()}
     update_successful, grad_norm, _ = run.optimizer.step()
