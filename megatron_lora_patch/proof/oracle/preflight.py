@@ -20,14 +20,14 @@ import os
 import re
 import sys
 import time
-from typing import Any, Optional, Sequence
+import warnings
+from typing import Any, Optional
 
 from megatron_lora_patch.errors import UsageError, one_line
-from megatron_lora_patch.proof.oracle.report import OracleReport
+from megatron_lora_patch.proof.oracle.preflight_report import PreflightReport, drift
 
 DEFAULT_MICROBATCHES = 2
 GIB = 1024**3
-_LAYER = re.compile(r"layers\.(\d+)\.")
 _WEIGHT = re.compile(r"[0-9.eE+-]+")  # a blend's weight in --data-path, as opposed to a dataset prefix
 
 
@@ -58,6 +58,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--mutation", help="re-introduce one of the oracle's known bugs (the preflight must then FAIL)")
     parser.add_argument("--max-memory-gib", type=float, help="memory the world-1 reference may use (default: available RAM)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run before a world is killed")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the ranks' Megatron/torch warnings")
     parser.add_argument("megatron_args", nargs=argparse.REMAINDER, help="-- then your pretrain_gpt.py arguments")
     parser.set_defaults(run=run)
 
@@ -75,6 +76,7 @@ class Plan:
     timeout_s: float
     parameters: int
     data_path: Optional[str] = None  # the indexed dataset whose first tokens both runs read; None: mock data
+    rank_warnings: str = "ignore"  # the ranks' warnings filter: Megatron's start-up notices are noise here
 
     @property
     def limits(self) -> Any:
@@ -154,7 +156,7 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
         raise UsageError(f"mutation {mutation.name} needs a MoE model; your arguments have no --num-experts")
     parameters = _check_memory(spec, options.max_memory_gib)
     plan = Plan(spec, topology, lora, patches, lora_changes, mutation, options.steps, options.micro_batches,
-                options.timeout, parameters, _data_prefix(args))
+                options.timeout, parameters, _data_prefix(args), "default" if getattr(options, "verbose", False) else "ignore")
     if plan.data_path:
         _check_data(plan)
     return plan
@@ -239,13 +241,16 @@ def _check_memory(spec, limit_gib: Optional[float]) -> int:
 
 
 def run(options: argparse.Namespace) -> int:
-    try:
-        plan = make_plan(options)
-    except UsageError as error:
-        print(one_line(error), file=sys.stderr)
-        return 2
-    print(plan.summary(), flush=True)
-    report = run_plan(plan)
+    with warnings.catch_warnings():
+        if not options.verbose:  # Megatron's import-time notices (no Apex / TE) are noise in this process too
+            warnings.simplefilter("ignore")
+        try:
+            plan = make_plan(options)
+        except UsageError as error:
+            print(one_line(error), file=sys.stderr)
+            return 2
+        print(plan.summary(), flush=True)
+        report = run_plan(plan)
     print(report.table())
     if options.json:
         report.write_json(options.json)
@@ -259,7 +264,10 @@ def run_plan(plan: Plan):
 
     started = time.monotonic()
     name = str(plan.topology) + (f" +{plan.mutation.name}" if plan.mutation else "")
-    report = PreflightReport(settings={"thresholds": plan.limits.thresholds}, preflight=plan.describe())
+    model = "moe" if "moe" in plan.spec.kinds else "dense"
+    report = PreflightReport(settings={"thresholds": plan.limits.thresholds, "dtype": plan.spec.dtype, "steps": plan.steps,
+                                       "seed": plan.spec.args.seed, "model_summaries": {model: "your model (above)"}},
+                             preflight=plan.describe())
     with _cpu_only():
         reference, error = _run(plan, Topology(), None)
         if error:
@@ -269,27 +277,11 @@ def run_plan(plan: Plan):
     phases, routing = {}, ""
     if error is None:
         phases, routing, error = _compare(plan, records, reference)
-    report.topologies.append(TopologyResult(name, plan.topology.world_size, phases, error, routing))
+    wall_s = max((record.get("wall_s", 0.0) for record in records or ()), default=0.0) if error is None else 0.0
+    report.topologies.append(TopologyResult(name, plan.topology.world_size, phases, error, routing, wall_s, model))
     report.drift = drift(phases, plan.spec.kinds)
     report.wall_s = time.monotonic() - started
     return report
-
-
-@dataclasses.dataclass
-class PreflightReport(OracleReport):
-    """The oracle's report with one row (the user's topology), what was run, and where it drifts."""
-
-    preflight: dict = dataclasses.field(default_factory=dict)
-    drift: Optional[dict] = None
-
-    def table(self) -> str:
-        lines = super().table().splitlines()
-        if self.drift:
-            lines.insert(-1, drift_line(self.drift))
-        return "\n".join(lines)
-
-    def as_dict(self) -> dict:
-        return super().as_dict() | {"preflight": self.preflight, "drift": self.drift}
 
 
 def _run(plan: Plan, topology, mutation):
@@ -314,7 +306,7 @@ def _run(plan: Plan, topology, mutation):
         settings = dataclasses.replace(settings, **mutation.settings)
     job = Job(plan.spec, topology, settings, context=functools.partial(preflight_job, plan.lora, plan.patches, mutation))
     try:
-        return run_jobs([job], timeout=plan.timeout_s)[0], None
+        return run_jobs([job], timeout=plan.timeout_s, warnings=plan.rank_warnings)[0], None
     except WorldError as error:
         return None, str(error)
 
@@ -360,37 +352,3 @@ def _cpu_only():
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
-
-
-def drift(phases: dict, kinds: Sequence[str]) -> Optional[dict]:
-    """Where a mismatch is worst: the failing phase furthest over its threshold, and the layer and
-    parameter that drift most (from the worst failing phase that names one)."""
-    failing = {phase: metrics for phase, metrics in phases.items() if not metrics.passed}
-    if not failing:
-        return None
-    order = functools.partial(_ratio_key, failing)
-    phase = max(failing, key=order)
-    located = [name for name in failing if _LAYER.search(failing[name].worst_tensor)]
-    where = max(located, key=order) if located else phase
-    metrics = failing[where]
-    match = _LAYER.search(metrics.worst_tensor)
-    layer = int(match.group(1)) if match else None
-    return {
-        "phase": phase, "over_threshold": failing[phase].ratio, "located_in_phase": where,
-        "layer": layer, "layer_kind": kinds[layer] if layer is not None and layer < len(kinds) else None,
-        "parameter": metrics.worst_tensor, "rel_l2": metrics.rel_l2, "threshold": metrics.threshold,
-    }
-
-
-def _ratio_key(failing: dict, phase: str) -> tuple:
-    ratio = failing[phase].ratio
-    return (ratio != ratio, ratio)  # NaN first
-
-
-def drift_line(found: dict) -> str:
-    layer = "no layer" if found["layer"] is None else f"layer {found['layer']} ({found['layer_kind']})"
-    return (
-        f"drifts most: phase {found['phase']} ({found['over_threshold']:.3g}x its threshold); worst located tensor: "
-        f"{layer}, {found['parameter']} in {found['located_in_phase']} (rel L2 {found['rel_l2']:.2e}, "
-        f"threshold {found['threshold']:.0e})"
-    )

@@ -65,6 +65,14 @@ def to_cpu(value: Any) -> Any:
     return value
 
 
+def quiet_logging() -> None:
+    """Keep a testbed rank's output to what matters: Megatron's and torch's notices (no CUDA, deprecations)
+    below ERROR, and this package's INFO lines (Megatron-LM's `training.py` sets the root logger to INFO)."""
+    for name in ("megatron", "torch"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("megatron_lora_patch").setLevel(logging.WARNING)
+
+
 def rank_main(
     payload: bytes, env: dict[str, str], conn: Any, parent_pid: int, stack_file: str, warnings_action: str = "default"
 ) -> None:
@@ -72,6 +80,8 @@ def rank_main(
     import warnings
 
     warnings.simplefilter(warnings_action)  # before unpickling fn imports torch / Megatron
+    if warnings_action == "ignore":  # start-up notices also go through `logging` ("GPTModel IS DEPRECATED")
+        quiet_logging()
     os.setpgid(0, 0)  # own process group, so the parent can kill this rank with all its descendants
     _die_with_parent(parent_pid)
     os.environ.update(env)  # before torch is imported (unpickling fn may import it)
