@@ -92,9 +92,14 @@ def adapter_names(spec) -> List[str]:
 
 def expected_logical(spec, config: LoraConfig) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
     """The logical init of every adapter of `spec`, from (seed, name, expert) alone."""
+    from types import SimpleNamespace
+
     from megatron_lora_patch.lora.init import logical_factors
+    from megatron_lora_patch.lora.projections import projection_rows
 
     hidden, kv = spec.hidden_size, spec.kv_channels
+    fused = SimpleNamespace(kv_channels=kv, num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
+                            ffn_hidden_size=spec.ffn_hidden_size, gated_linear_unit=True)  # the testbed is SwiGLU
     sizes = {
         "linear_qkv": (hidden, (spec.num_attention_heads + 2 * spec.num_query_groups) * kv),
         "linear_proj": (spec.num_attention_heads * kv, hidden),
@@ -105,7 +110,8 @@ def expected_logical(spec, config: LoraConfig) -> Dict[str, Tuple[torch.Tensor, 
     for name in adapter_names(spec):
         expert = int(name.split("local_experts.")[1].split(".")[0]) if "local_experts." in name else None
         in_size, out_size = sizes[name.rsplit(".", 1)[-1]]
-        result[name] = logical_factors(config, name, expert, in_size, out_size)
+        rows = projection_rows(name, fused, expert) if config.separate_projections else None
+        result[name] = logical_factors(config, name, expert, in_size, out_size, rows)
     return result
 
 
@@ -125,7 +131,8 @@ def save_world(rank: int, world: int, topology: str, spec, seed: int, directory:
 def load_world(rank: int, world: int, topology: str, spec, directories: List[str], bad_rank_dir: Optional[str] = None):
     """Build with other adapters (seed 999), load each checkpoint; return local adapters per checkpoint.
 
-    With `bad_rank_dir`, also load that checkpoint into rank-8 adapters and return the error text.
+    With `bad_rank_dir`, also load that checkpoint into rank-8 and into separate-projection adapters and
+    return the two error texts.
     """
     from megatron_lora_patch.lora.checkpoint import load_adapters
     from megatron_lora_patch.lora.config import set_active
@@ -139,13 +146,15 @@ def load_world(rank: int, world: int, topology: str, spec, directories: List[str
         for directory in directories:
             load_adapters(chunks, directory)
             loaded.append(local_adapters(chunks))
-        if bad_rank_dir is not None:
-            set_active(lora_config(999, rank=8))
-            other = build_model(spec, Topology.parse(topology))
-            try:
-                load_adapters(other, bad_rank_dir)
-            except ValueError as problem:
-                error = str(problem)
+        if bad_rank_dir is not None:  # another rank, then separate q/k/v adapters: one line each
+            error = []
+            for config in (lora_config(999, rank=8), lora_config(999, separate_projections=True)):
+                set_active(config)
+                other = build_model(spec, Topology.parse(topology))
+                try:
+                    load_adapters(other, bad_rank_dir)
+                except ValueError as problem:
+                    error.append(str(problem))
     return loaded, error
 
 

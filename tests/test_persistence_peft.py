@@ -44,6 +44,8 @@ VARIANTS = {
         },
         [{"alpha_pattern": {}}, {"use_rslora": False}],
     ),
+    # q / k / v and gate / up with their own A and B, as standard PEFT LoRA (lora/projections.py)
+    "separate_projections": ({"separate_projections": True}, {}, [{"lora_alpha": 16.0}]),
 }
 
 
@@ -121,6 +123,32 @@ def test_peft_config_fields_decide_the_logits(exported, tmp_path):
         with torch.no_grad():
             logits = model(tokens).logits
         assert max_abs_error_over_max(logits, exported["ranks"][0]["adapted"]) > 100 * LOGITS_TOLERANCE, change
+
+
+def test_separate_projections_export_untied_a_and_tying_them_moves_the_logits(exported, tmp_path):
+    """With separate projections q / k / v (gate / up) export different lora_A's, and they matter:
+    the same adapter with k's and v's A replaced by q's (the shared-A model) is far off Megatron's logits.
+    In the shared layout all three are equal."""
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+
+    import hf_llama
+
+    tensors = load_file(os.path.join(exported["peft"], peft_format.WEIGHTS_NAME))
+    key = "base_model.model.model.layers.0.self_attn.{}_proj.lora_A.weight"
+    separate = exported["options"].get("separate_projections", False)
+    assert torch.equal(tensors[key.format("q")], tensors[key.format("k")]) != separate
+    if not separate:
+        return
+    tied = tmp_path / "tied"
+    shutil.copytree(exported["peft"], tied)
+    for name in [name for name in tensors if ".k_proj.lora_A" in name or ".v_proj.lora_A" in name]:
+        tensors[name] = tensors[name.replace(".k_proj.", ".q_proj.").replace(".v_proj.", ".q_proj.")].clone()
+    save_file(tensors, str(tied / peft_format.WEIGHTS_NAME))
+    model = PeftModel.from_pretrained(hf_llama.llama_for(SPEC, DEFAULT_SEED), str(tied)).eval()
+    with torch.no_grad():
+        logits = model(worker.batch(SPEC)[0]).logits
+    assert max_abs_error_over_max(logits, exported["ranks"][0]["adapted"]) > 100 * LOGITS_TOLERANCE
 
 
 def test_peft_warns_only_about_the_old_embedded_metadata(exported, tmp_path):

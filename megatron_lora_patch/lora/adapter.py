@@ -22,6 +22,7 @@ from .init import logical_factors
 from .layouts import shard
 from .linear import add_up_projection
 from .metadata import AdapterParamInfo, tag
+from .projections import block_mask
 
 
 
@@ -43,6 +44,7 @@ class LoraAdapter(torch.nn.Module):
         expert_index: Optional[int],
         config: LoraConfig,
         out_stride: int = 1,
+        projection_rows: Optional[torch.Tensor] = None,
     ) -> None:
         super().__init__()
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -62,7 +64,7 @@ class LoraAdapter(torch.nn.Module):
         tp_rank, tp_world = get_pg_rank(self.tp_group), get_pg_size(self.tp_group)
 
         logical_a, logical_b = logical_factors(
-            config, module_name, expert_index, layer.input_size, layer.output_size
+            config, module_name, expert_index, layer.input_size, layer.output_size, projection_rows
         )
         if parallel_mode == "column":
             local_a, local_b = logical_a, shard(logical_b, 0, tp_rank, tp_world, out_stride)
@@ -71,6 +73,12 @@ class LoraAdapter(torch.nn.Module):
         weight = layer.weight
         self.A = torch.nn.Parameter(local_a.to(device=weight.device, dtype=weight.dtype))
         self.B = torch.nn.Parameter(local_b.to(device=weight.device, dtype=weight.dtype))
+        # Separate adapters per projection: B's off-block entries never act (lora/projections.py).
+        self.block_mask: Optional[torch.Tensor]
+        mask = None
+        if projection_rows is not None:
+            mask = shard(block_mask(projection_rows, self.rank), 0, tp_rank, tp_world, out_stride).to(self.B)
+        self.register_buffer("block_mask", mask, persistent=False)
 
         self.is_expert = is_expert = bool(layer.is_expert)
         sharded_factor, sharded_dim = ("B", 0) if parallel_mode == "column" else ("A", 1)
@@ -94,9 +102,13 @@ class LoraAdapter(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"{self.parallel_mode}, rank={self.rank}, scale={self.scale}, "
+            f"{self.parallel_mode}, rank={self.rank}, scale={self.scale}, separate={self.block_mask is not None}, "
             f"A={tuple(self.A.shape)}, B={tuple(self.B.shape)}"
         )
+
+    def up_weight(self) -> torch.Tensor:
+        """The B the LoRA term multiplies: `B`, or `B * block_mask` for separate projections."""
+        return self.B if self.block_mask is None else self.B * self.block_mask
 
     def _training_dropout(self) -> bool:
         return bool(self.dropout) and self.training
@@ -145,13 +157,13 @@ class LoraAdapter(torch.nn.Module):
             hidden = _DownProjection.apply(_apply_mask(total_input, mask, self.dropout), self.A)
         else:
             hidden = _DownProjectionRegather.apply(total_input, self.A, local_input, mask, self.dropout, self.tp_group)
-        return add_up_projection(base_output, hidden * self.scale, self.B)
+        return add_up_projection(base_output, hidden * self.scale, self.up_weight())
 
     def row_term(self, local_input: torch.Tensor, base_output: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`s * dropout(x_shard) A_shard^T B^T`: this rank's partial sum of the LoRA output
         (plus `base_output` when given, fused as in `column_term`)."""
         dropped = _apply_mask(local_input, self.row_mask(local_input), self.dropout)
-        return add_up_projection(base_output, _DownProjection.apply(dropped, self.A) * self.scale, self.B)
+        return add_up_projection(base_output, _DownProjection.apply(dropped, self.A) * self.scale, self.up_weight())
 
 
 def _keep_mask(activation: torch.Tensor, dropout: float) -> torch.Tensor:

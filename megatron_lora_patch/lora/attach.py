@@ -36,6 +36,7 @@ from .config import module_matches as _matches
 from .megatron_checkpoint import remember
 from .metadata import ADAPTER_NAME, adapter_info
 from .unsupported import refuse_unsupported
+from .projections import projection_rows
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +253,8 @@ def attach_adapters(model: torch.nn.Module, config: Optional[LoraConfig] = None)
                     expert_index=adapter_expert,
                     config=config,
                     out_stride=_out_stride(name, parent),
+                    projection_rows=projection_rows(adapter_name, getattr(parent, "config", None), adapter_expert)
+                    if config.separate_projections else None,
                 )
             )
         grouped = kind[1]

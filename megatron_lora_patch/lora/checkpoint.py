@@ -272,6 +272,12 @@ def load_adapters(chunks: Iterable[torch.nn.Module], directory: str) -> None:
                 f"{directory}: checkpoint {field}={saved[field]} but this model has {field}={here[field]}; "
                 f"build the model (and MEGATRON_LORA_RANK) as when it was saved"
             )
+    separate = bool(saved.get("separate_projections", False))  # older checkpoints: one A per fused layer
+    if separate != here["separate_projections"]:
+        raise AdapterCheckpointError(
+            f"{directory}: checkpoint {'has' if separate else 'has no'} separate q/k/v and gate/up adapters but this "
+            f"model {'has no' if separate else 'has'} them; set MEGATRON_LORA_SEPARATE_PROJECTIONS={int(separate)}"
+        )
     sharded = adapter_only_sharded_state_dict(chunks)
     loaded = dist_checkpointing.load(sharded, directory)
     parameters = dict(_single_model(chunks).named_parameters())

@@ -26,6 +26,8 @@ like a target entry (a module's last name component, or an fnmatch glob over its
 qualified name), to that module's rank (alpha); the first matching entry wins, as in PEFT, and
 a module no entry matches uses `rank` (`alpha`). `MEGATRON_LORA_RSLORA=1` scales by
 alpha / sqrt(r) instead of alpha / r (rsLoRA, PEFT's `use_rslora`).
+`MEGATRON_LORA_SEPARATE_PROJECTIONS=1` gives q, k, v (and SwiGLU gate, up) their own A and B, as
+standard PEFT LoRA on separate projections (lora/projections.py).
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ class LoraConfig:
     # ((pattern, value), ...): the first entry matching a module (like a target) sets its rank / alpha
     rank_pattern: tuple = ()
     alpha_pattern: tuple = ()
+    # separate A and B per q / k / v and per gate / up on Megatron's fused linear_qkv / SwiGLU linear_fc1
+    # (standard PEFT LoRA on separate projections; lora/projections.py); False: one A per fused layer
+    separate_projections: bool = False
 
     def __post_init__(self) -> None:
         for name in PATTERN_FIELDS:  # a mapping, or JSON's list of pairs, as a tuple of pairs in order
@@ -104,12 +109,13 @@ class LoraConfig:
             "rslora": self.rslora,
             "rank_pattern": [list(pair) for pair in self.rank_pattern],
             "alpha_pattern": [list(pair) for pair in self.alpha_pattern],
+            "separate_projections": self.separate_projections,
         }
 
     @classmethod
     def from_description(cls, description: Mapping[str, Any]) -> "LoraConfig":
         """The rank / alpha settings of a checkpoint description (older ones have no rsLoRA or patterns)."""
-        keys = ("rank", "alpha", "rslora", "rank_pattern", "alpha_pattern")
+        keys = ("rank", "alpha", "rslora", "rank_pattern", "alpha_pattern", "separate_projections")
         return cls(**{key: description[key] for key in keys if key in description})
 
     @classmethod
@@ -287,6 +293,11 @@ _RULES: dict = {
         "comma-separated pattern=alpha entries (positive numbers, each pattern once), e.g. 'linear_fc1=16'",
         _pattern_parser(float),
         lambda v: _pattern(v, _positive_finite),
+    ),
+    "separate_projections": (
+        "one of " + ACCEPTED_BOOLEANS,
+        lambda text: parse_bool("separate_projections", text),
+        lambda v: isinstance(v, bool),
     ),
 }
 

@@ -16,6 +16,7 @@ from typing import Optional, Tuple
 import torch
 
 from .config import LoraConfig
+from .projections import block_mask
 
 
 def factor_seed(seed: int, module_name: str, expert_index: Optional[int], factor: str) -> int:
@@ -40,22 +41,28 @@ def logical_factors(
     expert_index: Optional[int],
     in_features: int,
     out_features: int,
+    projection_rows: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The logical float32 CPU factors `(A: r x in, B: out x r)` of one adapted module (r: its own rank).
 
     A: Kaiming-uniform with a=sqrt(5) on the FULL fan-in `in_features` (bound
     1/sqrt(in), what torch.nn.Linear uses), or Gaussian with std 1/r. B: zeros, or
     for `b_init="nonzero"` Kaiming-uniform on its own fan-in r (bound 1/sqrt(r)).
+    With `projection_rows` (separate adapters on a fused linear, lora/projections.py) A is the k
+    projections' A's stacked (k*r x in) and B the block matrix (out x k*r), zero off its blocks.
     """
     rank = config.rank_for(module_name)
+    mask = None if projection_rows is None else block_mask(projection_rows, rank)
+    rows = rank if mask is None else mask.shape[1]
     a_seed = factor_seed(config.seed, module_name, expert_index, "A")
     if config.init == "kaiming":
-        lora_a = _uniform((rank, in_features), 1.0 / math.sqrt(in_features), a_seed)
+        lora_a = _uniform((rows, in_features), 1.0 / math.sqrt(in_features), a_seed)
     else:
-        lora_a = _normal((rank, in_features), 1.0 / rank, a_seed)
+        lora_a = _normal((rows, in_features), 1.0 / rank, a_seed)
     if config.b_init == "zero":
-        lora_b = torch.zeros((out_features, rank), dtype=torch.float32)
+        lora_b = torch.zeros((out_features, rows), dtype=torch.float32)
     else:
         b_seed = factor_seed(config.seed, module_name, expert_index, "B")
-        lora_b = _uniform((out_features, rank), 1.0 / math.sqrt(rank), b_seed)
+        lora_b = _uniform((out_features, rows), 1.0 / math.sqrt(rank), b_seed)
+        lora_b = lora_b if mask is None else lora_b * mask
     return lora_a, lora_b

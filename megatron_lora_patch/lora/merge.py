@@ -25,7 +25,7 @@ Merged = List[Tuple[torch.nn.Module, LoraAdapter]]
 
 def delta(adapter: LoraAdapter) -> torch.Tensor:
     """`s * B A` of this rank's factors, in float32: the local slice of the logical weight delta."""
-    return adapter.scale * adapter.B.detach().float() @ adapter.A.detach().float()
+    return adapter.scale * adapter.up_weight().detach().float() @ adapter.A.detach().float()
 
 
 def _layers_with_adapters(chunks: Iterable[torch.nn.Module]) -> Dict[str, torch.nn.Module]:

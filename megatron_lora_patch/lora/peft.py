@@ -12,6 +12,10 @@ onto this rank's adapters (any topology). Conversion, per transformer layer i:
 | mlp.linear_fc1 (SwiGLU)    | mlp.gate_proj, up_proj                      | B rows [gate; up] split; A copied |
 | mlp.linear_fc2             | mlp.down_proj                               | as is                         |
 
+With `separate_projections` (lora/projections.py) a fused module's A is the projections' A's
+stacked and its B a block matrix: each projection gets its own A rows and its B block, and an
+adapter whose q / k / v (gate / up) A's differ imports.
+
 PEFT's scaling `lora_alpha / r` (`lora_alpha / sqrt(r)` with `use_rslora`) is the adapter's
 `s`; per-module ranks and alphas travel as PEFT's `rank_pattern` / `alpha_pattern` (keys are
 regexes matched against the end of a module path, the first matching key wins): export writes a
@@ -37,7 +41,7 @@ import torch
 
 from megatron_lora_patch.errors import UsageError
 
-from . import layouts
+from . import layouts, projections
 from .config import LoraConfig
 
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -142,12 +146,12 @@ def to_peft(logical: Logical, description: dict, family: str = "llama") -> Tuple
     for name, (lora_a, lora_b) in logical.items():
         layer, module = _parse(name)
         projections = _projections(module, names, description["gated_linear_unit"])
-        for projection, part in zip(projections, _split_b(module, lora_b, description)):
+        for projection, (part_a, part_b) in zip(projections, _split(lora_a, _split_b(module, lora_b, description), description)):
             path = f"{names.layers}.{layer}.{projection}"
             # A copy per projection: PEFT has one A per module, safetensors refuses shared storage.
-            tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"] = lora_a.clone().contiguous()
-            tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = part.contiguous()
-            ranks[path], alphas[path] = int(lora_a.shape[0]), float(settings.alpha_for(name))
+            tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"] = part_a.clone().contiguous()
+            tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = part_b.contiguous()
+            ranks[path], alphas[path] = int(part_a.shape[0]), float(settings.alpha_for(name))
             layer_modules.setdefault(projection, set()).add(layer)
     every_layer = set(range(description["num_layers"]))
     # Short names adapt every layer in PEFT; list full paths when some layers have no adapter.
@@ -169,6 +173,14 @@ def to_peft(logical: Logical, description: dict, family: str = "llama") -> Tuple
         "base_model_name_or_path": None,
     }
     return dict(sorted(tensors.items())), config
+
+
+def _split(lora_a: torch.Tensor, b_parts: List[torch.Tensor], description: dict) -> list:
+    """(A, B) per PEFT projection: the stacked A's and B's blocks for separate projections
+    (lora/projections.py), else the one shared A with each B part."""
+    if description.get("separate_projections") and len(b_parts) > 1:
+        return projections.split_blocks(lora_a, b_parts, len(b_parts))
+    return [(lora_a, part) for part in b_parts]
 
 
 def _short(path: str) -> str:
@@ -233,12 +245,16 @@ def from_peft(
                     raise PeftFormatError(f"{where}: missing {key} (needed for Megatron {name})")
                 parts.append(tensors[key])
         _check_scaling(config, description, name, paths, where)
+        separate = description.get("separate_projections") and len(paths) > 1
         for path, a in zip(paths[1:], a_parts[1:]):
-            if a.shape != a_parts[0].shape or not torch.equal(a, a_parts[0]):
+            if a.shape != a_parts[0].shape or not (separate or torch.equal(a, a_parts[0])):
                 raise PeftFormatError(
                     f"{where}: {path} has a different lora_A than {paths[0]}; the fused Megatron {name} "
-                    "has one A for all its projections, so this adapter cannot be expressed"
+                    "has one A for all its projections unless built with MEGATRON_LORA_SEPARATE_PROJECTIONS=1"
                 )
+        if separate:
+            stacked, b_parts = projections.join_blocks(a_parts, b_parts)
+            a_parts = [stacked]
         try:
             lora_b = _join_b(module, b_parts, description)
         except (RuntimeError, ValueError):

@@ -101,7 +101,7 @@ def column_term(adapter: LoraAdapter, x: torch.Tensor, sequence_parallel: bool,
     else:  # x is replicated over TP
         dropped = _apply_mask(x, adapter.column_mask(x), adapter.dropout)
         hidden = _DownProjectionAllReduceDgrad.apply(dropped, adapter.A, adapter.tp_group)
-    return add_up_projection(base_output, hidden * adapter.scale, adapter.B)
+    return add_up_projection(base_output, hidden * adapter.scale, adapter.up_weight())
 
 
 def row_term(adapter: LoraAdapter, x: torch.Tensor, sequence_parallel: bool,
@@ -113,8 +113,8 @@ def row_term(adapter: LoraAdapter, x: torch.Tensor, sequence_parallel: bool,
     partial = _DownProjection.apply(_apply_mask(x, adapter.row_mask(x), adapter.dropout), adapter.A)
     if sequence_parallel:
         hidden = reduce_scatter_to_sequence_parallel_region(partial, group=adapter.tp_group)
-        return add_up_projection(base_output, hidden * adapter.scale, adapter.B)
-    return _UpProjectionAfterAllReduce.apply(partial, adapter.B, adapter.scale, adapter.tp_group, base_output)
+        return add_up_projection(base_output, hidden * adapter.scale, adapter.up_weight())
+    return _UpProjectionAfterAllReduce.apply(partial, adapter.up_weight(), adapter.scale, adapter.tp_group, base_output)
 
 
 def lora_term(module: torch.nn.Module, adapter: LoraAdapter, x: torch.Tensor,

@@ -110,7 +110,7 @@ def column_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor, bias: O
     output = _matmul(total, gather_logical(weight, 0, stride, group), full_bias)
     adapter = adapter_of(layer)
     if adapter is not None:
-        full_b = gather_logical(adapter.B, 0, _stride(layer, adapter.B), group)
+        full_b = gather_logical(adapter.up_weight(), 0, _stride(layer, adapter.B), group)
         output = _plus_lora(output, adapter, total, adapter.A, full_b)
     return local_slice(output, -1, stride, group)
 
@@ -123,7 +123,7 @@ def row_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor) -> torch.T
     output = _matmul(total, gather_logical(weight, 1, 1, group))
     adapter = adapter_of(layer)
     if adapter is not None:
-        output = _plus_lora(output, adapter, total, gather_logical(adapter.A, 1, 1, group), adapter.B)
+        output = _plus_lora(output, adapter, total, gather_logical(adapter.A, 1, 1, group), adapter.up_weight())
     return owned_by_first_rank(output, group)
 
 
