@@ -1,5 +1,6 @@
 """`transformers` models holding the testbed's logical base weights (the external reference):
-LlamaForCausalLM for the dense testbed, MixtralForCausalLM for the MoE one.
+LlamaForCausalLM for the dense testbed, MixtralForCausalLM or Qwen3MoeForCausalLM (with
+`qk_layernorm`: Megatron's q / k layernorm are Qwen3's per-head q_norm / k_norm) for the MoE one.
 
 The testbed model is Llama-shaped: RMSNorm (Megatron's default eps 1e-5), GQA, SwiGLU,
 RoPE (base 10000, rotate-half), no linear biases, untied embeddings. Its weights map
@@ -38,6 +39,9 @@ def hf_state_dict(spec: TinyGPTSpec, seed: int, weights: Optional[dict] = None) 
             weights[src + "self_attention.linear_qkv.weight"], spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
         )
         out.update(_mlp(spec, weights, src, dst))
+        if spec.qk_layernorm:
+            out[dst + "self_attn.q_norm.weight"] = weights[src + "self_attention.q_layernorm.weight"]
+            out[dst + "self_attn.k_norm.weight"] = weights[src + "self_attention.k_layernorm.weight"]
         out.update(
             {
                 dst + "input_layernorm.weight": weights[src + "input_layernorm.weight"],
@@ -88,6 +92,23 @@ def mixtral_for(spec: TinyGPTSpec, seed: int, weights: Optional[dict] = None):
         **_common(spec),
     )
     return _load(MixtralForCausalLM, config, spec, seed, weights)
+
+
+def qwen3_moe_for(spec: TinyGPTSpec, seed: int, weights: Optional[dict] = None):
+    """Qwen3MoeForCausalLM (fp32, eager, eval) with the logical base weights of the MoE `spec` with
+    `qk_layernorm` (or `weights`); top-k probabilities renormalized, like Megatron's router."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        moe_intermediate_size=spec.expert_ffn_hidden_size,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.moe_router_topk,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        **_common(spec),
+    )
+    return _load(Qwen3MoeForCausalLM, config, spec, seed, weights)
 
 
 def _common(spec: TinyGPTSpec) -> dict:

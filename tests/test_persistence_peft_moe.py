@@ -1,16 +1,18 @@
 """PEFT export / import of MoE expert adapters, checked against `transformers` + `peft`.
 
 An MoE model (4 SequentialMLP experts, top-2, GQA attention) with non-zero adapters, distinct
-per expert, writes an adapter-only checkpoint at EP2 (and at ETP2); the `export` CLI turns it
-into a PEFT adapter whose experts use `target_parameters` (lora/peft_experts.py); `peft` loads
-it into a `MixtralForCausalLM` holding the same base weights (transformers' 3D expert
-parameters), and its logits must equal the Megatron forward (fp32). Negative controls: the
+per expert, writes an adapter-only checkpoint at EP2 (Qwen3-MoE: q / k layernorm) or ETP2
+(Mixtral); the `export` CLI turns it into a PEFT adapter whose experts use `target_parameters`
+(lora/peft_experts.py); `peft` loads it into a `Qwen3MoeForCausalLM` / `MixtralForCausalLM`
+holding the same base weights (transformers' 3D expert parameters), and its logits must equal
+the Megatron forward (fp32). Negative controls: the
 base model alone, and the same adapter with two experts' adapters swapped. The adapter is then
 imported at the other expert topology, saved and exported again: identical bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -27,12 +29,14 @@ from megatron_lora_patch.testing.models import DEFAULT_SEED, TinyGPTSpec
 import persistence_worker as worker
 
 SPEC = TinyGPTSpec.moe(moe_ffn_hidden_size=32)
-# max-abs error relative to the largest logit, fp32 (measured: see the README figures in the report)
+# max-abs error relative to the largest logit, fp32; measured 5e-7 (Mixtral, ETP2) and 7e-7 (Qwen3-MoE, EP2)
 LOGITS_TOLERANCE = 1e-5
 EXPORT_SEED = 23
-FAMILY = "mixtral"
-#: saved at -> imported at (other EP and ETP)
-TOPOLOGIES = {"ep2": "etp2", "etp2": "ep2"}
+#: case -> (saved at, HF family, testbed spec, imported at: another EP and ETP)
+CASES = {
+    "ep2-qwen3_moe": ("ep2", "qwen3_moe", dataclasses.replace(SPEC, qk_layernorm=True), "etp2"),
+    "etp2-mixtral": ("etp2", "mixtral", SPEC, "ep2"),
+}
 
 
 def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -40,41 +44,43 @@ def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "megatron_lora_patch", *args], cwd=cwd, capture_output=True, text=True)
 
 
-@pytest.fixture(scope="module", params=list(TOPOLOGIES))
+@pytest.fixture(scope="module", params=list(CASES))
 def exported(request, tmp_path_factory):
-    """A run at `param`: Megatron logits with adapters, its adapter-only checkpoint, and the CLI's PEFT export."""
+    """A run at the case's topology: Megatron logits with adapters, its adapter-only checkpoint, the CLI's PEFT export."""
+    topology, family, spec, other = CASES[request.param]
     root = tmp_path_factory.mktemp(f"peft-moe-{request.param}")
     checkpoint, peft_dir = str(root / "checkpoint"), str(root / "peft")
-    results = run_world(
-        worker.export_and_merge_world, 2, args=(request.param, SPEC, EXPORT_SEED, checkpoint), name=request.param, timeout=300
-    )
-    done = _cli("export", "--checkpoint", checkpoint, "--out", peft_dir, "--family", FAMILY, cwd=root)
+    results = run_world(worker.export_and_merge_world, 2, args=(topology, spec, EXPORT_SEED, checkpoint), name=topology, timeout=300)
+    done = _cli("export", "--checkpoint", checkpoint, "--out", peft_dir, "--family", family, cwd=root)
     assert done.returncode == 0, done.stderr
-    return {"root": root, "checkpoint": checkpoint, "peft": peft_dir, "adapted": results[0]["adapted"], "saved_at": request.param}
+    return {"root": root, "peft": peft_dir, "adapted": results[0]["adapted"], "family": family, "spec": spec, "other": other}
 
 
-def _peft_logits(peft_dir: str) -> torch.Tensor:
-    from peft import PeftModel
-
+def _hf_model(exported):
     import hf_llama
 
-    model = PeftModel.from_pretrained(hf_llama.mixtral_for(SPEC, DEFAULT_SEED), peft_dir).eval()
+    build = hf_llama.qwen3_moe_for if exported["family"] == "qwen3_moe" else hf_llama.mixtral_for
+    return build(exported["spec"], DEFAULT_SEED)
+
+
+def _peft_logits(exported, peft_dir: str) -> torch.Tensor:
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(_hf_model(exported), peft_dir).eval()
     with torch.no_grad():
-        return model(worker.batch(SPEC)[0]).logits
+        return model(worker.batch(exported["spec"])[0]).logits
 
 
 def test_peft_loads_expert_export_and_matches_megatron_logits(exported):
-    import hf_llama
-
     with open(os.path.join(exported["peft"], peft_format.CONFIG_NAME)) as handle:
         config = json.load(handle)
     assert config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
     assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
-    error = max_abs_error_over_max(_peft_logits(exported["peft"]), exported["adapted"])
-    print(f"peft vs Megatron logits ({exported['saved_at']}): max-abs / max = {error:.3e}")
+    error = max_abs_error_over_max(_peft_logits(exported, exported["peft"]), exported["adapted"])
+    print(f"peft vs Megatron logits ({exported['family']}): max-abs / max = {error:.3e}")
     assert error <= LOGITS_TOLERANCE
     with torch.no_grad():  # the adapters matter: the base model alone is far off
-        base = hf_llama.mixtral_for(SPEC, DEFAULT_SEED)(worker.batch(SPEC)[0]).logits
+        base = _hf_model(exported)(worker.batch(exported["spec"])[0]).logits
     assert max_abs_error_over_max(base, exported["adapted"]) > 100 * LOGITS_TOLERANCE
 
 
@@ -103,20 +109,20 @@ def test_swapped_expert_adapters_move_peft_logits_off(exported, tmp_path):
     save_file(swapped, str(broken / peft_format.WEIGHTS_NAME), metadata={"format": "pt"})
     for name in (peft_format.CONFIG_NAME, peft_format.METADATA_NAME):
         (broken / name).write_bytes(open(os.path.join(exported["peft"], name), "rb").read())
-    assert max_abs_error_over_max(_peft_logits(str(broken)), exported["adapted"]) > 100 * LOGITS_TOLERANCE
+    assert max_abs_error_over_max(_peft_logits(exported, str(broken)), exported["adapted"]) > 100 * LOGITS_TOLERANCE
 
 
 def test_import_at_other_expert_topology_then_export_gives_identical_bytes(exported):
     from megatron_lora_patch.lora.exchange import export_peft
 
-    topology = TOPOLOGIES[exported["saved_at"]]
+    topology, spec = exported["other"], exported["spec"]
     checkpoint, again = str(exported["root"] / f"reimported-{topology}"), str(exported["root"] / "peft-again")
-    results = run_world(worker.import_and_save_world, 2, args=(topology, SPEC, exported["peft"], checkpoint), name=topology, timeout=300)
+    results = run_world(worker.import_and_save_world, 2, args=(topology, spec, exported["peft"], checkpoint), name=topology, timeout=300)
     logical = worker.assemble(results)
-    expected = worker.expected_logical(SPEC, worker.lora_config(EXPORT_SEED))
+    expected = worker.expected_logical(spec, worker.lora_config(EXPORT_SEED))
     assert set(logical) == set(expected), sorted(set(logical) ^ set(expected))
     assert all(all(map(torch.equal, logical[name], expected[name])) for name in expected)
-    export_peft(checkpoint, again, FAMILY)
+    export_peft(checkpoint, again, exported["family"])
     for name in (peft_format.WEIGHTS_NAME, peft_format.CONFIG_NAME, peft_format.METADATA_NAME):
         with open(os.path.join(exported["peft"], name), "rb") as first, open(os.path.join(again, name), "rb") as second:
             assert first.read() == second.read(), name
