@@ -55,6 +55,34 @@ def test_peft_param_wrapper_deltas_are_the_megatron_expert_deltas(tmp_path):
             assert relative_l2_error(delta, swapped) > 100 * tolerance
 
 
+def test_expert_adapter_written_by_peft_imports_with_its_deltas(tmp_path):
+    """An adapter `peft` itself trained-and-saved (random B; no family file, so `read` says llama)
+    imports; Megatron's `scaling * B_e @ A_e` of each expert equals peft's delta."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    import hf_llama
+
+    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    settings = PeftLoraConfig(r=2, lora_alpha=8, target_modules=[], target_parameters=targets, init_lora_weights=False)
+    model = get_peft_model(hf_llama.mixtral_for(SPEC, DEFAULT_SEED), settings)
+    model.save_pretrained(str(tmp_path))
+    tensors, config, family = peft.read(str(tmp_path))
+    description = dict(DESCRIPTION, rank=2, alpha=8.0, rank_pattern=[], alpha_pattern=[])
+    expected = [name for name in worker.adapter_names(SPEC) if ".experts." in name]
+    logical = peft.from_peft(tensors, config, description, expected, family=family)
+    assert family == "llama" and set(logical) == set(expected)
+    for layer in range(SPEC.num_layers):
+        down = model.base_model.model.model.layers[layer].mlp.experts
+        for wrapper, linear in ((down.base_layer, "linear_fc1"), (down, "linear_fc2")):
+            names = [f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{linear}" for e in range(SPEC.num_experts)]
+            ours = torch.stack([4.0 * logical[name][1] @ logical[name][0] for name in names])  # alpha / r = 8 / 2
+            with torch.no_grad():
+                delta = wrapper.get_delta_weight("default")
+            assert relative_l2_error(ours, delta) <= fp32_sum_tolerance(2), (layer, linear)
+            assert relative_l2_error(ours[[1, 0, 2, 3]], delta) > 100 * fp32_sum_tolerance(2)  # experts swapped
+
+
 def test_round_trip_is_exact_and_family_names_are_shared():
     logical = worker.expected_logical(SPEC, CONFIG)
     tensors, config = peft.to_peft(logical, DESCRIPTION, "qwen3_moe")

@@ -16,6 +16,7 @@ When both parameters of a layer are adapted, peft nests the wrappers in the orde
 declares its parameters: `experts.base_layer.lora_*` is `gate_up_proj`, `experts.lora_*` is `down_proj`.
 One wrapper has one r and alpha, so every expert of a layer and kind must share them.
 The router (`mlp.gate`) has no adapter. Families: NAME_TABLE in lora/peft.py; expert names here.
+Layouts: docs/architecture.md section 4.
 """
 
 from __future__ import annotations
@@ -76,9 +77,8 @@ def _layer_kinds(names: Iterable[str]) -> Dict[Tuple[int, str], Set[int]]:
     return kinds
 
 
-def _paths(kinds: Iterable[Tuple[int, str]], family: str) -> Dict[Tuple[int, str], Tuple[str, str]]:
+def _paths(kinds: Iterable[Tuple[int, str]], names: ExpertNames, layers: str) -> Dict[Tuple[int, str], Tuple[str, str]]:
     """(layer, linear) -> (HF parameter path, PEFT wrapper path), both without `base_model.model.`."""
-    names, layers = _expert_names(family), peft.names_for(family).layers
     kinds = set(kinds)
     paths = {}
     for layer, linear in kinds:
@@ -108,16 +108,19 @@ def _one_setting(settings: LoraConfig, names: List[str], path: str) -> Tuple[int
 
 def to_peft(logical: peft.Logical, description: dict, family: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Tuple[int, float]]]:
     """PEFT tensors of the expert adapters in `logical`, and (rank, alpha) per HF parameter path."""
+    if not logical:
+        return {}, {}
+    names = _expert_names(family)  # the family first: a dense one has no place for experts
     settings, num_experts = LoraConfig.from_description(description), description["num_experts"]
     kinds = _layer_kinds(logical)
     _check_complete(kinds, num_experts)
     tensors: Dict[str, torch.Tensor] = {}
     settings_by_path: Dict[str, Tuple[int, float]] = {}
-    for (layer, linear), (path, wrapper) in sorted(_paths(kinds, family).items()):
-        names = [f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{linear}" for e in range(num_experts)]
-        settings_by_path[path] = _one_setting(settings, names, path)
-        lora_a = torch.cat([logical[name][0] for name in names], dim=0)
-        lora_b = torch.stack([logical[name][1] for name in names], dim=-1).flatten(1)
+    for (layer, linear), (path, wrapper) in sorted(_paths(kinds, names, peft.names_for(family).layers).items()):
+        experts = [f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{linear}" for e in range(num_experts)]
+        settings_by_path[path] = _one_setting(settings, experts, path)
+        lora_a = torch.cat([logical[name][0] for name in experts], dim=0)
+        lora_b = torch.stack([logical[name][1] for name in experts], dim=-1).flatten(1)
         tensors[f"{peft.PEFT_PREFIX}{wrapper}.lora_A.weight"] = lora_a.contiguous()
         tensors[f"{peft.PEFT_PREFIX}{wrapper}.lora_B.weight"] = lora_b.contiguous()
     return tensors, settings_by_path
@@ -138,21 +141,23 @@ def from_peft(
     expected = list(expected)
     if not expected:
         return {}, set()
+    # An adapter peft wrote itself names no family (`read` says llama); the MoE families share expert names.
+    names = EXPERT_TABLE.get(family, ExpertNames())
     num_experts = description["num_experts"]
     kinds = _layer_kinds(expected)
     _check_complete(kinds, num_experts)
     logical: peft.Logical = {}
     read: Set[str] = set()
-    for (layer, linear), (path, wrapper) in sorted(_paths(kinds, family).items()):
-        names = [f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{linear}" for e in range(num_experts)]
+    for (layer, linear), (path, wrapper) in sorted(_paths(kinds, names, peft.names_for(family).layers).items()):
+        experts = [f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{linear}" for e in range(num_experts)]
         keys = [f"{peft.PEFT_PREFIX}{wrapper}.lora_{factor}.weight" for factor in ("A", "B")]
         for key in keys:
             if key not in tensors:
-                raise peft.PeftFormatError(f"{where}: missing {key} (needed for Megatron {names[0]} .. expert {num_experts - 1})")
+                raise peft.PeftFormatError(f"{where}: missing {key} (needed for Megatron {experts[0]} .. expert {num_experts - 1})")
         read.update(keys)
-        for name in names:
+        for name in experts:
             peft.check_scaling(config, description, name, [path], where)
-        rank = LoraConfig.from_description(description).rank_for(names[0])
+        rank = LoraConfig.from_description(description).rank_for(experts[0])
         lora_a, lora_b = (tensors[key] for key in keys)
         if lora_a.dim() != 2 or lora_b.dim() != 2 or lora_a.shape[0] != num_experts * rank or lora_b.shape[1] != num_experts * rank:
             raise peft.PeftFormatError(
@@ -161,6 +166,6 @@ def from_peft(
             )
         per_a = lora_a.reshape(num_experts, rank, -1)
         per_b = lora_b.reshape(lora_b.shape[0], rank, num_experts)
-        for expert, name in enumerate(names):
+        for expert, name in enumerate(experts):
             logical[name] = (per_a[expert].clone(), per_b[..., expert].contiguous())
     return logical, read

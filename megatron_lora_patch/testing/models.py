@@ -238,8 +238,7 @@ def transformer_config(
         params_dtype=dtype,
         bf16=spec.dtype == "bfloat16",
         pipeline_dtype=dtype,
-        calculate_per_token_loss=calculate_per_token_loss,
-        qk_layernorm=spec.qk_layernorm,
+        calculate_per_token_loss=calculate_per_token_loss, qk_layernorm=spec.qk_layernorm,
     )
     if spec.is_moe:
         options.update(
