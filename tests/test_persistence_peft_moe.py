@@ -1,8 +1,8 @@
 """PEFT export / import of MoE expert adapters, checked against `transformers` + `peft`.
 
-An MoE model (4 SequentialMLP experts, top-2, GQA attention) with non-zero adapters, distinct
-per expert, writes an adapter-only checkpoint at EP2 (Qwen3-MoE: q / k layernorm) or ETP2
-(Mixtral); the `export` CLI turns it into a PEFT adapter whose experts use `target_parameters`
+An MoE model (4 SequentialMLP experts, top-2, GQA attention) trains its adapters (3 Adam steps
+from a non-zero init, distinct per expert) and writes an adapter-only checkpoint at EP2
+(Qwen3-MoE: q / k layernorm) or ETP2 (Mixtral); the `export` CLI turns it into a PEFT adapter whose experts use `target_parameters`
 (lora/peft_experts.py); `peft` loads it into a `Qwen3MoeForCausalLM` / `MixtralForCausalLM`
 holding the same base weights (transformers' 3D expert parameters), and its logits must equal
 the Megatron forward (fp32). Negative controls: the
@@ -24,14 +24,16 @@ import torch
 from error_metrics import max_abs_error_over_max
 from megatron_lora_patch.lora import peft as peft_format
 from megatron_lora_patch.testing.launcher import run_world
-from megatron_lora_patch.testing.models import DEFAULT_SEED, TinyGPTSpec
+from megatron_lora_patch.testing.models import TinyGPTSpec
 
 import persistence_worker as worker
+import resume_worker
 
 SPEC = TinyGPTSpec.moe(moe_ffn_hidden_size=32)
-# max-abs error relative to the largest logit, fp32; measured 5e-7 (Mixtral, ETP2) and 7e-7 (Qwen3-MoE, EP2)
+# max-abs error relative to the largest logit, fp32; measured 5.3e-7 (Mixtral, ETP2) and 5.6e-7 (Qwen3-MoE, EP2)
 LOGITS_TOLERANCE = 1e-5
 EXPORT_SEED = 23
+TRAIN_STEPS = 3
 #: case -> (saved at, HF family, testbed spec, imported at: another EP and ETP)
 CASES = {
     "ep2-qwen3_moe": ("ep2", "qwen3_moe", dataclasses.replace(SPEC, qk_layernorm=True), "etp2"),
@@ -50,17 +52,20 @@ def exported(request, tmp_path_factory):
     topology, family, spec, other = CASES[request.param]
     root = tmp_path_factory.mktemp(f"peft-moe-{request.param}")
     checkpoint, peft_dir = str(root / "checkpoint"), str(root / "peft")
-    results = run_world(worker.export_and_merge_world, 2, args=(topology, spec, EXPORT_SEED, checkpoint), name=topology, timeout=300)
+    args = (topology, spec, EXPORT_SEED, TRAIN_STEPS, checkpoint)
+    results = run_world(resume_worker.train_and_save_world, 2, args=args, name=topology, timeout=300)
     done = _cli("export", "--checkpoint", checkpoint, "--out", peft_dir, "--family", family, cwd=root)
     assert done.returncode == 0, done.stderr
-    return {"root": root, "peft": peft_dir, "adapted": results[0]["adapted"], "family": family, "spec": spec, "other": other}
+    trained = worker.assemble([result["adapters"] for result in results])
+    return {"root": root, "peft": peft_dir, "adapted": results[0]["adapted"], "trained": trained, "family": family,
+            "spec": spec, "other": other}
 
 
 def _hf_model(exported):
     import hf_llama
 
     build = hf_llama.qwen3_moe_for if exported["family"] == "qwen3_moe" else hf_llama.mixtral_for
-    return build(exported["spec"], DEFAULT_SEED)
+    return build(exported["spec"], resume_worker.SETTINGS.seed)
 
 
 def _peft_logits(exported, peft_dir: str) -> torch.Tensor:
@@ -119,8 +124,10 @@ def test_import_at_other_expert_topology_then_export_gives_identical_bytes(expor
     checkpoint, again = str(exported["root"] / f"reimported-{topology}"), str(exported["root"] / "peft-again")
     results = run_world(worker.import_and_save_world, 2, args=(topology, spec, exported["peft"], checkpoint), name=topology, timeout=300)
     logical = worker.assemble(results)
-    expected = worker.expected_logical(spec, worker.lora_config(EXPORT_SEED))
-    assert set(logical) == set(expected), sorted(set(logical) ^ set(expected))
+    expected = exported["trained"]
+    assert set(logical) == set(worker.adapter_names(spec)) == set(expected), sorted(set(logical) ^ set(expected))
+    initial = worker.expected_logical(spec, worker.lora_config(EXPORT_SEED))
+    assert not any(torch.equal(expected[name][1], initial[name][1]) for name in expected)  # training moved every B
     assert all(all(map(torch.equal, logical[name], expected[name])) for name in expected)
     export_peft(checkpoint, again, exported["family"])
     for name in (peft_format.WEIGHTS_NAME, peft_format.CONFIG_NAME, peft_format.METADATA_NAME):
