@@ -88,6 +88,11 @@ def _paths(kinds: Iterable[Tuple[int, str]], names: ExpertNames, layers: str) ->
     return paths
 
 
+def _modules(layer: int, linear: str, num_experts: int) -> List[str]:
+    """Megatron's canonical names of one layer's `linear` over all experts, in expert order."""
+    return [f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{linear}" for e in range(num_experts)]
+
+
 def _check_complete(kinds: Dict[Tuple[int, str], Set[int]], num_experts: int) -> None:
     for (layer, linear), experts in sorted(kinds.items()):
         if experts != set(range(num_experts)):
@@ -106,7 +111,9 @@ def _one_setting(settings: LoraConfig, names: List[str], path: str) -> Tuple[int
     return values.pop()
 
 
-def to_peft(logical: peft.Logical, description: dict, family: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Tuple[int, float]]]:
+def to_peft(
+    logical: peft.Logical, description: dict, family: str
+) -> Tuple[Dict[str, torch.Tensor], Dict[str, Tuple[int, float]]]:
     """PEFT tensors of the expert adapters in `logical`, and (rank, alpha) per HF parameter path."""
     if not logical:
         return {}, {}
@@ -117,7 +124,7 @@ def to_peft(logical: peft.Logical, description: dict, family: str) -> Tuple[Dict
     tensors: Dict[str, torch.Tensor] = {}
     settings_by_path: Dict[str, Tuple[int, float]] = {}
     for (layer, linear), (path, wrapper) in sorted(_paths(kinds, names, peft.names_for(family).layers).items()):
-        experts = [f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{linear}" for e in range(num_experts)]
+        experts = _modules(layer, linear, num_experts)
         settings_by_path[path] = _one_setting(settings, experts, path)
         lora_a = torch.cat([logical[name][0] for name in experts], dim=0)
         lora_b = torch.stack([logical[name][1] for name in experts], dim=-1).flatten(1)
@@ -149,20 +156,21 @@ def from_peft(
     logical: peft.Logical = {}
     read: Set[str] = set()
     for (layer, linear), (path, wrapper) in sorted(_paths(kinds, names, peft.names_for(family).layers).items()):
-        experts = [f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{linear}" for e in range(num_experts)]
+        experts = _modules(layer, linear, num_experts)
         keys = [f"{peft.PEFT_PREFIX}{wrapper}.lora_{factor}.weight" for factor in ("A", "B")]
         for key in keys:
             if key not in tensors:
-                raise peft.PeftFormatError(f"{where}: missing {key} (needed for Megatron {experts[0]} .. expert {num_experts - 1})")
+                raise peft.PeftFormatError(f"{where}: missing {key} (needed for Megatron {experts[0]} and the other experts)")
         read.update(keys)
         for name in experts:
             peft.check_scaling(config, description, name, [path], where)
         rank = LoraConfig.from_description(description).rank_for(experts[0])
         lora_a, lora_b = (tensors[key] for key in keys)
-        if lora_a.dim() != 2 or lora_b.dim() != 2 or lora_a.shape[0] != num_experts * rank or lora_b.shape[1] != num_experts * rank:
+        packed = num_experts * rank
+        if lora_a.dim() != 2 or lora_b.dim() != 2 or lora_a.shape[0] != packed or lora_b.shape[1] != packed:
             raise peft.PeftFormatError(
                 f"{where}: {wrapper} has lora_A {tuple(lora_a.shape)} and lora_B {tuple(lora_b.shape)}; "
-                f"{num_experts} experts of rank {rank} need [{num_experts * rank}, in] and [out, {num_experts * rank}]"
+                f"{num_experts} experts of rank {rank} need [{packed}, in] and [out, {packed}]"
             )
         per_a = lora_a.reshape(num_experts, rank, -1)
         per_b = lora_b.reshape(lora_b.shape[0], rank, num_experts)
