@@ -21,7 +21,7 @@ def add_parser(commands) -> None:
     )
     export.add_argument("--checkpoint", required=True, help="Megatron-LM --save or iter_NNNNNNN directory, or adapter-only checkpoint")
     export.add_argument("--out", required=True, help="output directory for the PEFT adapter")
-    export.add_argument("--family", default="llama", help="HF module names: llama (default), mistral, qwen2, qwen3")
+    export.add_argument("--family", default="llama", help="HF module names: llama (default), mistral, qwen2, qwen3, qwen3_moe, mixtral (MoE experts)")
     export.add_argument("--force", action="store_true", help="replace a non-empty --out")
     export.set_defaults(run=run_export)
 

@@ -91,3 +91,27 @@ def train_world(
             _train_step(chunks, optimizer, spec, step)
         record["end"] = persistence_worker.local_adapters(chunks)
         return record
+
+
+def train_and_save_world(rank: int, world: int, topology: str, spec, lora_seed: int, steps: int, adapters_dir: str) -> dict:
+    """Train the adapters `steps` steps (Adam), then: full-vocab logits of `persistence_worker.batch`,
+    an adapter-only checkpoint in `adapters_dir`, and the local adapters."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_lora_patch.lora.checkpoint import save_adapters
+    from megatron_lora_patch.proof.testbed import driver
+    from megatron_lora_patch.proof.testbed.models import build_model
+    from megatron_lora_patch.proof.testbed.topology import Topology
+
+    persistence_worker.setup(persistence_worker.lora_config(lora_seed), TRAINING_PATCHES)
+    parsed = Topology.parse(topology)
+    with parsed.world(seed=SETTINGS.seed):
+        chunks = driver._wrap_like_get_model(build_model(spec, parsed, seed=SETTINGS.seed), SETTINGS)
+        optimizer = driver._build_optimizer(chunks, SETTINGS)
+        chunks[0].config.grad_scale_func = optimizer.scale_loss
+        chunks[0].config.finalize_model_grads_func = finalize_model_grads
+        for step in range(steps):
+            _train_step(chunks, optimizer, spec, step)
+        logits = persistence_worker.full_logits(chunks[0].module, spec)
+        save_adapters(chunks, adapters_dir)
+        return {"adapted": logits, "adapters": persistence_worker.local_adapters(chunks)}

@@ -25,8 +25,7 @@ q/k/v or gate/up, other shapes, missing or unknown modules, another r, alpha or 
 setting than the model's adapters, DoRA / biases), naming the module.
 `adapter_config.json` holds only PEFT's own fields (peft warns about any other key); this
 package's metadata (the model family) sits beside it in `megatron_lora_patch.json`.
-Megatron experts are refused: PEFT has no per-expert layout for them (transformers keeps
-MoE experts as fused tensors, not per-expert linears).
+Expert adapters (MoE families) go to PEFT's `target_parameters` layout: lora/peft_experts.py.
 """
 
 from __future__ import annotations
@@ -79,6 +78,8 @@ NAME_TABLE: Dict[str, HfNames] = {
     "mistral": HfNames(),
     "qwen2": HfNames(),
     "qwen3": HfNames(),
+    "qwen3_moe": HfNames(),  # experts: peft_experts.EXPERT_TABLE
+    "mixtral": HfNames(),
 }
 
 _LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|mlp\.linear_fc1|mlp\.linear_fc2)$")
@@ -126,22 +127,50 @@ def _join_b(module: str, parts: List[torch.Tensor], description: dict) -> torch.
 def _parse(name: str) -> Tuple[int, str]:
     match = _LAYER_MODULE.match(name)
     if match is None:
-        if ".experts." in name:
-            raise PeftFormatError(
-                f"{name}: PEFT has no per-expert LoRA layout for Megatron experts; exclude experts "
-                "(MEGATRON_LORA_EXCLUDE='*local_experts*') to export"
-            )
         raise PeftFormatError(f"{name}: no PEFT name for this Megatron module (supported: qkv, proj, fc1, fc2)")
     return int(match.group(1)), match.group(2)
 
 
 def to_peft(logical: Logical, description: dict, family: str = "llama") -> Tuple[Dict[str, torch.Tensor], dict]:
     """PEFT tensors (sorted by name, contiguous) and adapter config (PEFT fields only) for the logical adapters."""
-    names = names_for(family)
+    from . import peft_experts  # it builds on this module
+
     settings = LoraConfig.from_description(description)
-    tensors: Dict[str, torch.Tensor] = {}
+    expert_logical = {name: pair for name, pair in logical.items() if peft_experts.is_expert(name)}
+    tensors, expert_settings = peft_experts.to_peft(expert_logical, description, family)
+    dense = {name: pair for name, pair in logical.items() if name not in expert_logical}
     ranks: Dict[str, int] = {}
     alphas: Dict[str, float] = {}
+    targets = _dense_to_peft(dense, description, family, tensors, ranks, alphas)
+    for path, (rank, alpha) in expert_settings.items():  # the patterns cover dense and expert paths
+        ranks[path], alphas[path] = rank, alpha
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": settings.rank,
+        "lora_alpha": settings.alpha,
+        "rank_pattern": _pattern_keys(ranks, settings.rank),
+        "alpha_pattern": _pattern_keys(alphas, settings.alpha),
+        "lora_dropout": 0.0,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": settings.rslora,
+        "use_dora": False,
+        "inference_mode": True,
+        "base_model_name_or_path": None,
+    }
+    if expert_settings:
+        config["target_parameters"] = peft_experts.target_parameters(expert_settings, family, description["num_layers"])
+    return dict(sorted(tensors.items())), config
+
+
+def _dense_to_peft(
+    logical: Logical, description: dict, family: str, tensors: Dict[str, torch.Tensor], ranks: dict, alphas: dict
+) -> List[str]:
+    """Add the PEFT tensors, ranks and alphas (by HF module path) of non-expert adapters; returns `target_modules`."""
+    names = names_for(family)
+    settings = LoraConfig.from_description(description)
     layer_modules: Dict[str, set] = {}
     for name, (lora_a, lora_b) in logical.items():
         layer, module = _parse(name)
@@ -156,23 +185,7 @@ def to_peft(logical: Logical, description: dict, family: str = "llama") -> Tuple
     every_layer = set(range(description["num_layers"]))
     # Short names adapt every layer in PEFT; list full paths when some layers have no adapter.
     complete = all(layers == every_layer for layers in layer_modules.values())
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": settings.rank,
-        "lora_alpha": settings.alpha,
-        "rank_pattern": _pattern_keys(ranks, settings.rank),
-        "alpha_pattern": _pattern_keys(alphas, settings.alpha),
-        "lora_dropout": 0.0,
-        "target_modules": sorted({_short(path) for path in ranks} if complete else set(ranks)),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": settings.rslora,
-        "use_dora": False,
-        "inference_mode": True,
-        "base_model_name_or_path": None,
-    }
-    return dict(sorted(tensors.items())), config
+    return sorted({_short(path) for path in ranks} if complete else set(ranks))
 
 
 def _split(lora_a: torch.Tensor, b_parts: List[torch.Tensor], description: dict) -> list:
@@ -218,12 +231,19 @@ def from_peft(
 
     `family`: from `megatron_lora_patch.json` (`read`); None reads the key older exports embedded in the config.
     """
+    from . import peft_experts  # it builds on this module
+
     _check_config(config, description, where)
     if family is None:
         family = (config.get(LEGACY_METADATA_KEY) or {}).get("family", "llama")
     names = names_for(family)
+    expected = list(expected)
+    expert_names = [name for name in expected if peft_experts.is_expert(name)]
+    logical, expert_keys = peft_experts.from_peft(tensors, config, description, expert_names, family, where)
     layer_paths = {}
     for name in expected:
+        if name in logical:
+            continue
         layer, module = _parse(name)
         layer_paths[name] = (module, [f"{names.layers}.{layer}.{p}" for p in _projections(module, names, description["gated_linear_unit"])])
     known = {
@@ -233,9 +253,8 @@ def from_peft(
         for factor in ("A", "B")
     }
     for key in tensors:
-        if key not in known:
+        if key not in known | expert_keys:
             raise PeftFormatError(f"{where}: {key} is not a module this model adapts (unsupported or not targeted)")
-    logical: Logical = {}
     for name, (module, paths) in layer_paths.items():
         a_parts, b_parts = [], []
         for path in paths:
@@ -244,7 +263,7 @@ def from_peft(
                 if key not in tensors:
                     raise PeftFormatError(f"{where}: missing {key} (needed for Megatron {name})")
                 parts.append(tensors[key])
-        _check_scaling(config, description, name, paths, where)
+        check_scaling(config, description, name, paths, where)
         separate = description.get("separate_projections") and len(paths) > 1
         for path, a in zip(paths[1:], a_parts[1:]):
             if a.shape != a_parts[0].shape or not (separate or torch.equal(a, a_parts[0])):
@@ -297,7 +316,7 @@ def peft_pattern_value(pattern: Dict[str, Any], path: str, default: Any) -> Any:
     return default if key is None else pattern[key]
 
 
-def _check_scaling(config: dict, description: dict, name: str, paths: List[str], where: str) -> None:
+def check_scaling(config: dict, description: dict, name: str, paths: List[str], where: str) -> None:
     """The PEFT r and alpha of `paths` (the projections of Megatron `name`) are the model's for `name`."""
     ranks = [peft_pattern_value(config.get("rank_pattern") or {}, path, config["r"]) for path in paths]
     alphas = [peft_pattern_value(config.get("alpha_pattern") or {}, path, config["lora_alpha"]) for path in paths]

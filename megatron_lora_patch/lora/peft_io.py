@@ -22,6 +22,7 @@ from .adapter import LoraAdapter
 from .layouts import shard
 
 _STACKED_KEY = re.compile(r"^decoder\.layers\.(?P<module>.+?)\.lora\.(?P<factor>[AB])$")
+_EXPERTS_KEY = "mlp.experts.experts."
 
 
 def logical_from_checkpoint(directory: str) -> Tuple[dict, peft.Logical]:
@@ -35,8 +36,8 @@ def logical_from_checkpoint(directory: str) -> Tuple[dict, peft.Logical]:
             raise checkpoint.AdapterCheckpointError(f"{directory}: unexpected tensor {key!r} in an adapter checkpoint")
         module, factor = match.group("module"), match.group("factor")
         for layer, per_layer in enumerate(tensor.unbind(0)):  # axis 0: global layer index
-            if module.startswith("mlp.experts."):
-                linear = module[len("mlp.experts."):]
+            if module.startswith(_EXPERTS_KEY):  # SequentialMLP / TEGroupedMLP: `local_experts.<i>.` -> `experts.`
+                linear = module[len(_EXPERTS_KEY):]
                 for expert, value in enumerate(per_layer.unbind(0)):  # axis 1: global expert index
                     name = f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.{linear}"
                     factors.setdefault(name, {})[factor] = value.clone()

@@ -41,6 +41,8 @@ class TinyGPTSpec:
     moe_ffn_hidden_size: Optional[int] = None  # defaults to ffn_hidden_size
     #: A `HybridModel` (Megatron-Core 0.18+) of attention (`*`) and MLP (`-`) layers, one char per layer.
     hybrid_pattern: Optional[str] = None
+    #: RMSNorm of each query and key head before RoPE (Qwen3's q_norm / k_norm).
+    qk_layernorm: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -146,6 +148,9 @@ def logical_shapes(spec: TinyGPTSpec) -> dict[str, tuple[int, ...]]:
             shapes[prefix + "input_layernorm.weight"] = (hidden,)
             shapes[prefix + "self_attention.linear_qkv.weight"] = (qkv_rows, hidden)
             shapes[prefix + "self_attention.linear_proj.weight"] = (hidden, spec.num_attention_heads * kv)
+            if spec.qk_layernorm:
+                shapes[prefix + "self_attention.q_layernorm.weight"] = (kv,)
+                shapes[prefix + "self_attention.k_layernorm.weight"] = (kv,)
         if kind == "*":
             continue
         shapes[prefix + "pre_mlp_layernorm.weight"] = (hidden,)
@@ -233,7 +238,7 @@ def transformer_config(
         params_dtype=dtype,
         bf16=spec.dtype == "bfloat16",
         pipeline_dtype=dtype,
-        calculate_per_token_loss=calculate_per_token_loss,
+        calculate_per_token_loss=calculate_per_token_loss, qk_layernorm=spec.qk_layernorm,
     )
     if spec.is_moe:
         options.update(
@@ -257,7 +262,9 @@ def layer_spec(spec: TinyGPTSpec, topology: Any = None):
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    layer = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    layer = get_gpt_layer_local_spec(
+        num_experts=spec.num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=spec.qk_layernorm
+    )
     if getattr(topology, "cp", 1) > 1:
         from megatron_lora_patch.proof.testbed.cp_attention import ContextParallelDotProductAttention
 
