@@ -21,8 +21,9 @@ recompute under activation checkpointing reuses it. Writes through `.data` to a 
 weight between steps are not seen: call `clear()` after such a write. Every rank must change
 its shards together (as SPMD training does), since a re-gather is a collective.
 
-Memory: the full copies stay resident, i.e. (TP - 1) / TP of every gathered tensor's logical
-size per rank on top of its shard (benchmarks/README.md states it per model).
+Memory: the full copies stay resident: every rank holds each gathered tensor at its logical
+size, TP times its shard, on top of the shard (benchmarks/README.md states it per model).
+Before, each forward call made the same full copies and kept them for its backward.
 """
 
 from __future__ import annotations
