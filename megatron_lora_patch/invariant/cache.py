@@ -51,16 +51,16 @@ def clear() -> None:
     _FULL.clear()
 
 
-def _key(tensor: torch.Tensor) -> tuple:
+def _key(tensor: torch.Tensor, layout: tuple) -> tuple:
     step = _step if tensor.requires_grad else None
-    return tensor.data_ptr(), tensor._version, tensor.shape, tensor.dtype, step
+    return tensor.data_ptr(), tensor._version, tensor.shape, tensor.dtype, layout, step
 
 
 def cached_gather(tensor: torch.Tensor, dim: int, stride: int, group: Any) -> torch.Tensor:
     """`gather_logical(tensor, dim, stride, group)`, all-gathering only when the shards changed."""
     if torch.distributed.get_world_size(group) == 1:
         return tensor
-    key = _key(tensor)
+    key = _key(tensor, (dim, stride, id(group)))
     entry = _FULL.get(tensor)
     if entry is None or entry[0] != key:
         with torch.no_grad():
