@@ -13,6 +13,10 @@ a stale weight, and the same comparison then finds loss differences far above ze
 counts: over STEPS steps each frozen weight is gathered once, each factor once per step (not
 per microbatch), and the real optimizer step advances the cache's step.
 
+Under Megatron's activation checkpointing the recompute reuses the gathered weights (each
+tensor gathered once; negative control: clearing the cache in the recompute makes it twice)
+and gives the same grads as the plain pass, bit for bit.
+
 The mixed-precision optimizer writes the model params only through `.data` (no version bump),
 which the fp32 CPU testbed cannot run; `test_untracked_factor_write_seen_after_a_step` checks
 that case on the cache itself, with its stale negative control.
@@ -161,3 +165,52 @@ def test_untracked_factor_write_seen_after_a_step():
     expected = torch.cat([torch.full((2, 3), 1.5), torch.full((2, 3), 3.0)])  # independent: the written shards
     assert torch.equal(fresh, expected)
     assert torch.equal(stale, before) and not torch.equal(stale, expected)  # negative control: no step, stale
+
+
+def _recompute_gathers(rank, world_size, clear_in_recompute):
+    """Forward + backward of one microbatch plainly, then of the same microbatch under Megatron's
+    activation checkpointing (forward without grad, recompute in backward): gathers per tensor
+    and the LoRA grads of each pass."""
+    from megatron.core import tensor_parallel
+
+    from megatron_lora_patch.invariant import cache
+    from megatron_lora_patch.lora.config import LoraConfig, set_active
+    from megatron_lora_patch.testing import data
+    from megatron_lora_patch.testing.models import TinyGPTSpec, build_model
+    from megatron_lora_patch.testing.patches import apply_only
+    from megatron_lora_patch.testing.topology import Topology
+
+    apply_only(PATCHES, strict=True)
+    set_active(LoraConfig(rank=4, alpha=8.0, b_init="nonzero"))
+    cache.all_gather_logical = _counting_gather(cache.all_gather_logical)
+    spec = TinyGPTSpec()
+    with Topology.parse("tp2").world(seed=1234):
+        model = build_model(spec, Topology.parse("tp2"))[0]
+        batch = data.make_global_batch(1234, 2, spec.seq_length, spec.vocab_size)
+
+        def loss(anchor, tokens, positions, labels):
+            if clear_in_recompute and torch.is_grad_enabled():
+                cache.clear()  # negative control: the recompute gathers again
+            return model(tokens, positions, None, labels=labels).sum() + anchor
+
+        # Megatron's checkpoint needs one input that requires grad; the token ids cannot.
+        anchor = torch.zeros((), requires_grad=True)
+
+        grads = []
+        for checkpointed in (False, True):
+            model.zero_grad()
+            args = (anchor, batch["tokens"], batch["position_ids"], batch["labels"])
+            (tensor_parallel.checkpoint(loss, False, *args) if checkpointed else loss(*args)).backward()
+            grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+        names = {param.data_ptr(): name for name, param in model.named_parameters()}
+        return {"gathers": {names[ptr]: count for ptr, count in _GATHERS.items() if ptr in names}, "grads": grads}
+
+
+@pytest.mark.parametrize("clear_in_recompute", [False, True])
+def test_recompute_reuses_the_gathered_weights(clear_in_recompute):
+    record = run_world(_recompute_gathers, 2, args=(clear_in_recompute,), timeout=300, name="tp2 recompute")[0]
+    plain, recomputed = record["grads"]
+    assert plain and plain.keys() == recomputed.keys()
+    assert all(torch.equal(plain[name], recomputed[name]) for name in plain)  # recompute: same grads, bitwise
+    counts = set(record["gathers"].values())
+    assert counts == ({2} if clear_in_recompute else {1}), record["gathers"]  # negative control: 2 gathers
