@@ -3,15 +3,19 @@
 One gloo world of 2 ranks runs Megatron training steps of a GQA GPT with LoRA on every linear
 (the testbed driver: DDP, schedule, finalize, Adam with clipping) in both modes, alternating
 run by run (ABBA; the patches applied and reverted around each run), so machine drift hits
-both modes alike. Per step it records the wall time of the whole step (forward + backward +
-optimizer) and of the model forwards alone (forward pre/post hooks on the model), after
+both modes alike. Per step it records the wall time and the process CPU time (all threads of
+the rank, gloo's included; waiting descheduled is not counted, so it is the stable figure on a
+loaded machine) of the whole step (forward + backward + optimizer) and of the model forwards
+alone (forward pre/post hooks on the model), after
 `--warmup` untimed steps; medians over the timed steps of rank 0, and the spread of the
-per-run step-time ratio, are reported.
+per-run step-time and forward-time ratios, are reported.
 
 Memory (one world per mode: the peak is per process): the growth of the process's peak resident set size (`resource.getrusage` ru_maxrss)
 over the resident size right after the model is built, max over ranks. tracemalloc is not used
 because torch's CPU allocator bypasses Python's allocator (it would see none of the tensors).
-RSS growth counts activations, gathered weights and temporaries, plus allocator slack.
+RSS growth counts activations, gathered weights and temporaries, plus allocator slack. The
+state the mode keeps between steps (the cached full weights and factors, `tp_invariant.cache`)
+is reported separately, next to the rank's own parameter bytes.
 
 Anchor: Megatron-LM #4740 reports +70 % forward and +163 % end-to-end on GPU (TE kernels,
 real sizes); on 2 CPU cores with gloo the ratios are only indicative.
@@ -30,7 +34,10 @@ from megatron_lora_patch.proof.testbed.launcher import run_world
 
 PATCHES = ("cpu_compat", "lora_linear", "finalize_grads", "loss_normalization")
 MODES = (("default", False), ("tp_invariant", True))
-_FORWARD: dict = {"started": None, "seconds": 0.0}
+#: Wall time, and the CPU time of the rank's process (all its threads): CPU time leaves out the time
+#: the process waits descheduled on a loaded machine, so its ratios stay stable under load.
+CLOCKS = (("s", time.perf_counter), ("cpu_s", time.process_time))
+_FORWARD: dict = {"started": None, "seconds": (0.0, 0.0)}
 _STEP_ENDS: list = []
 
 
@@ -39,29 +46,36 @@ def _current_rss_bytes() -> int:
         return int(statm.read().split()[1]) * resource.getpagesize()
 
 
+def _now() -> tuple:
+    return tuple(clock() for _, clock in CLOCKS)
+
+
 def _forward_started(module, args, kwargs):
-    _FORWARD["started"] = time.perf_counter()
+    _FORWARD["started"] = _now()
 
 
 def _forward_finished(module, args, kwargs, output):
-    _FORWARD["seconds"] += time.perf_counter() - _FORWARD["started"]
+    _FORWARD["seconds"] = tuple(total + end - begin
+                                for total, begin, end in zip(_FORWARD["seconds"], _FORWARD["started"], _now()))
 
 
 def _time_forwards(chunks) -> None:
     chunks[0].register_forward_pre_hook(_forward_started, with_kwargs=True)
     chunks[0].register_forward_hook(_forward_finished, with_kwargs=True)
     _FORWARD["rss_before"] = _current_rss_bytes()
+    _FORWARD["param_bytes"] = sum(param.nbytes for chunk in chunks for param in chunk.parameters())
 
 
 def _step_end(step, record, chunks) -> None:
-    _STEP_ENDS.append(time.perf_counter())
+    _STEP_ENDS.append(_now())
     record["extra"]["forward_s"] = _FORWARD["seconds"]
-    _FORWARD["seconds"] = 0.0
+    _FORWARD["seconds"] = (0.0, 0.0)
 
 
 def _train(spec, topology_text, invariant, steps) -> tuple:
     """One training run of `steps` steps in one mode: (record, time the run started)."""
     import megatron_lora_patch
+    from megatron_lora_patch.tp_invariant import cache
     from megatron_lora_patch.lora.config import LoraConfig, set_active
     from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings, train_steps
     from megatron_lora_patch.proof.testbed.patches import apply_only
@@ -78,8 +92,11 @@ def _train(spec, topology_text, invariant, steps) -> tuple:
     _STEP_ENDS.clear()
     try:
         with topology.world(seed=settings.seed):
-            started = time.perf_counter()
-            return train_steps(spec, topology, settings), started
+            started = _now()
+            record = train_steps(spec, topology, settings)
+            record["cache_bytes"] = cache.cached_bytes() if invariant else 0
+            record["param_bytes"] = _FORWARD["param_bytes"]
+            return record, started
     finally:
         set_active(None)
         megatron_lora_patch.revert()
@@ -87,8 +104,11 @@ def _train(spec, topology_text, invariant, steps) -> tuple:
 
 def _step_times(record, started) -> dict:
     ends = [started] + _STEP_ENDS
-    return {"step_s": [end - begin for begin, end in zip(ends, ends[1:])],
-            "forward_s": [step["extra"]["forward_s"] for step in record["steps"]]}
+    times = {"cache_bytes": record["cache_bytes"], "param_bytes": record["param_bytes"]}
+    for index, (suffix, _) in enumerate(CLOCKS):
+        times[f"step_{suffix}"] = [end[index] - begin[index] for begin, end in zip(ends, ends[1:])]
+        times[f"forward_{suffix}"] = [step["extra"]["forward_s"][index] for step in record["steps"]]
+    return times
 
 
 def _measure_memory(rank, world_size, spec, topology_text, invariant, steps) -> float:
@@ -107,16 +127,36 @@ def _measure_times(rank, world_size, spec, topology_text, steps, rounds) -> list
     return runs
 
 
+TIMES = tuple(f"{part}_{suffix}" for suffix, _ in CLOCKS for part in ("step", "forward"))
+
+
 def _summary(runs: list, warmup: int) -> dict:
     """Per mode: medians over every timed step of every round; per-round ratios (median, min, max)."""
     figures = {}
     for mode, _ in MODES:
         figures[mode] = {key: statistics.median(value for run in runs for value in run[mode][key][warmup:])
-                         for key in ("step_s", "forward_s")}
-    ratios = [statistics.median(run["tp_invariant"]["step_s"][warmup:]) / statistics.median(run["default"]["step_s"][warmup:])
-              for run in runs]
-    figures["ratio"] = (statistics.median(ratios), min(ratios), max(ratios))
+                         for key in TIMES}
+    for key in TIMES:
+        ratios = [statistics.median(run["tp_invariant"][key][warmup:]) / statistics.median(run["default"][key][warmup:])
+                  for run in runs]
+        figures[f"{key}_ratio"] = (statistics.median(ratios), min(ratios), max(ratios))
+    figures["state_mib"] = {key: runs[-1]["tp_invariant"][key] / 2**20 for key in ("cache_bytes", "param_bytes")}
     return figures
+
+
+def _report(options, topology: str, figures: dict, peak_mib: dict) -> None:
+    print(f"{topology}, GQA GPT hidden {options.hidden}, seq {options.seq}, LoRA r16 on all linears, global batch 4; "
+          f"{options.rounds} alternating runs per mode of {options.steps} timed steps (medians, rank 0; "
+          f"wall time and process CPU time)")
+    print(f"{'mode':14s} " + " ".join(f"{key:>14s}" for key in TIMES) + f" {'peak RSS growth MiB':>20s}")
+    for mode, _ in MODES:
+        print(f"{mode:14s} " + " ".join(f"{figures[mode][key]:14.4f}" for key in TIMES) + f" {peak_mib[mode]:20.1f}")
+    for key in TIMES:
+        median, low, high = figures[f"{key}_ratio"]
+        print(f"ratio tp_invariant / default, {key}: {median:.2f}x (per-round median; min {low:.2f}, max {high:.2f})")
+    print(f"peak RSS growth ratio {peak_mib['tp_invariant'] / max(peak_mib['default'], 1e-9):.2f}x; state kept by "
+          f"tp_invariant between steps (cached full weights, rank 0): {figures['state_mib']['cache_bytes']:.1f} MiB "
+          f"on top of the rank's {figures['state_mib']['param_bytes']:.1f} MiB of parameters")
 
 
 def main() -> None:
@@ -139,17 +179,7 @@ def main() -> None:
     figures = _summary(runs, options.warmup)
     peak_mib = {mode: max(run_world(_measure_memory, 2, args=(spec, topology, invariant, steps), timeout=1200,
                                     name=f"{topology} {mode} memory")) / 2**20 for mode, invariant in MODES}
-    print(f"{topology}, GQA GPT hidden {options.hidden}, seq {options.seq}, LoRA r16 on all linears, global batch 4; "
-          f"{options.rounds} alternating runs per mode of {options.steps} timed steps (medians, rank 0)")
-    print(f"{'mode':14s} {'step s':>9s} {'forward s':>10s} {'peak RSS growth MiB':>20s}")
-    for mode, _ in MODES:
-        print(f"{mode:14s} {figures[mode]['step_s']:9.4f} {figures[mode]['forward_s']:10.4f} {peak_mib[mode]:20.1f}")
-    base, invariant = figures["default"], figures["tp_invariant"]
-    median, low, high = figures["ratio"]
-    print(f"ratio (tp_invariant / default): step {median:.2f}x (per-round min {low:.2f}, max {high:.2f}), "
-          f"forward {invariant['forward_s'] / base['forward_s']:.2f}x, "
-          f"peak memory growth {peak_mib['tp_invariant'] / max(peak_mib['default'], 1e-9):.2f}x")
-
+    _report(options, topology, figures, peak_mib)
 
 if __name__ == "__main__":
     main()

@@ -243,6 +243,9 @@ def test_apply_and_revert_restore_megatron_exactly():
         (vars(language_module), "fused_vocab_parallel_cross_entropy"),
         (vars(optimizer.MegatronOptimizer), "get_grad_norm"), (vars(optimizer.MegatronOptimizer), "clip_grad_norm"),
         (vars(optimizer.ChainedOptimizer), "get_grad_norm"),
+        (vars(optimizer.MixedPrecisionOptimizer), "step_with_ready_grads"),
+        (vars(optimizer.FP32Optimizer), "step_with_ready_grads"),
+        (vars(optimizer.ChainedOptimizer), "step_with_ready_grads"),
     ]
     originals = [namespace[name] for namespace, name in targets]
     try:

@@ -5,8 +5,9 @@ that a TP reduction would otherwise produce from partial sums. Consequently the 
 of such a tensor is complete and identical on every rank, which fixes the backward of
 each collective:
 
-- `gather_logical(t, dim, stride, group)`: forward all-gathers the shards and lays them out
-  as the world-size-1 tensor (`stride=2`: a SwiGLU fc1 whose shards are `[gate_r; up_r]`);
+- `gather_logical(t, dim, stride, group, full=None)`: forward all-gathers the shards and lays
+  them out as the world-size-1 tensor (`stride=2`: a SwiGLU fc1 whose shards are
+  `[gate_r; up_r]`), or returns `full`, that tensor gathered earlier (`tp_invariant.cache`);
   backward keeps this rank's slice of the (complete) gradient. No reduction: summing the
   identical copies would multiply the grad by the TP size.
 - `local_slice(t, dim, stride, group)`: the dual; forward keeps this rank's shard of a full
@@ -21,7 +22,7 @@ functions, so later in-place ops on it stay legal): TP = 1 runs the same GEMMs a
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed
@@ -52,13 +53,15 @@ def _local_shard(tensor: torch.Tensor, dim: int, stride: int, group: Any) -> tor
 
 class _GatherLogical(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, dim, stride, group):
+    def forward(ctx, tensor, dim, stride, group, full):
         ctx.dim, ctx.stride, ctx.group = dim, stride, group
-        return all_gather_logical(tensor, dim, stride, group)
+        # A cached `full` is handed out as a new tensor object (same storage), so this node's
+        # grad_fn is set on the alias, never on the cached tensor.
+        return all_gather_logical(tensor, dim, stride, group) if full is None else full.detach()
 
     @staticmethod
     def backward(ctx, grad):
-        return _local_shard(grad, ctx.dim, ctx.stride, ctx.group), None, None, None
+        return _local_shard(grad, ctx.dim, ctx.stride, ctx.group), None, None, None, None
 
 
 class _LocalSlice(torch.autograd.Function):
@@ -83,11 +86,13 @@ class _OwnedByFirstRank(torch.autograd.Function):
         return grad, None
 
 
-def gather_logical(tensor: torch.Tensor, dim: int, stride: int, group: Any) -> torch.Tensor:
-    """All-gather to the world-size-1 layout; backward: this rank's slice of the complete grad."""
+def gather_logical(tensor: torch.Tensor, dim: int, stride: int, group: Any,
+                   full: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """All-gather to the world-size-1 layout (or `full`, gathered before from the same shards);
+    backward: this rank's slice of the complete grad."""
     if torch.distributed.get_world_size(group) == 1:
         return tensor
-    return _GatherLogical.apply(tensor, dim, stride, group)
+    return _GatherLogical.apply(tensor, dim, stride, group, full)
 
 
 def local_slice(tensor: torch.Tensor, dim: int, stride: int, group: Any) -> torch.Tensor:

@@ -9,20 +9,23 @@ is bitwise identical and Megatron's own clipping (`max_norm / (norm + 1e-6)`, on
 multiply per element) stays identical too. That exactness is why the coefficient needs
 no power-of-two rounding here (#4740 rounds it to absorb a 1-ULP jitter of per-rank sums).
 
-Cost: one all-gather per sharded trainable parameter per step (for LoRA: the sharded
-factor grads only). Supported: one pipeline stage, the non-distributed optimizer, no
-experts; the functions raise otherwise.
+Cost: ONE all-gather per (TP group, dtype) per step, of every sharded trainable grad
+flattened into one buffer (for LoRA: the sharded factor grads only). Summing per-rank
+float64 partial sums instead (one scalar all-reduce) is not bitwise: it changes the
+float64 summation order with the TP degree (measured: it differs from the TP = 1 norm in
+the last bits). Supported: one pipeline stage, the non-distributed optimizer, no experts;
+the functions raise otherwise.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Any, Dict, Iterable, List
 
 import torch
 
 from megatron_lora_patch import registry
-from megatron_lora_patch.tp_invariant.collectives import all_gather_logical
+from megatron_lora_patch.lora.layouts import unshard
 from megatron_lora_patch.lora.metadata import adapter_info
 from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
 
@@ -51,32 +54,68 @@ def _tp_group(param: Any) -> Any:
     return info.group if info is not None else parallel_state.get_tensor_model_parallel_group()
 
 
-def _logical_grad(param: Any, grad: torch.Tensor) -> torch.Tensor:
+def _check_param(param: Any) -> None:
     if not getattr(param, "allreduce", True):
         raise TPInvariantUnsupported("tp_invariant: expert parameters (MoE) are not supported")
-    if not getattr(param, "tensor_model_parallel", False):
-        group = _tp_group(param)
-        if getattr(param, "sequence_parallel", False) and torch.distributed.get_world_size(group) > 1:
-            registry.warn_once(
-                "tp-invariant-sp-norm",
-                "tp_invariant: a trainable norm weight under sequence parallelism gets its grad from per-rank "
-                "partial sums, which is not TP-invariant (LoRA freezes norms; full training under SP is not covered)",
-            )
-        return grad
-    return all_gather_logical(grad, param.partition_dim, getattr(param, "partition_stride", 1), _tp_group(param))
+    if getattr(param, "tensor_model_parallel", False) or not getattr(param, "sequence_parallel", False):
+        return
+    if torch.distributed.get_world_size(_tp_group(param)) > 1:
+        registry.warn_once(
+            "tp-invariant-sp-norm",
+            "tp_invariant: a trainable norm weight under sequence parallelism gets its grad from per-rank "
+            "partial sums, which is not TP-invariant (LoRA freezes norms; full training under SP is not covered)",
+        )
+
+
+def _gather_flat(params: List[Any], group: Any) -> List[torch.Tensor]:
+    """The logical grads of `params` (one TP group, one dtype) from ONE all-gather of their
+    flattened shards; each is then laid out exactly as a per-tensor gather would lay it out."""
+    world = torch.distributed.get_world_size(group)
+    if world == 1:
+        return [param.grad for param in params]
+    flat = torch.cat([param.grad.reshape(-1) for param in params])
+    pieces = [torch.empty_like(flat) for _ in range(world)]
+    torch.distributed.all_gather(pieces, flat, group=group)
+    per_rank = [piece.split([param.grad.numel() for param in params]) for piece in pieces]
+    return [
+        unshard([chunks[index].view_as(param.grad) for chunks in per_rank], param.partition_dim,
+                getattr(param, "partition_stride", 1))
+        for index, param in enumerate(params)
+    ]
+
+
+def _logical_sharded_grads(params: List[Any]) -> Dict[int, torch.Tensor]:
+    """id(param) -> logical grad of every TP-sharded param, one all-gather per (TP group, dtype)."""
+    buckets: Dict[tuple, List[Any]] = {}
+    for param in params:
+        if getattr(param, "tensor_model_parallel", False):
+            buckets.setdefault((_tp_group(param), param.grad.dtype), []).append(param)
+    logical: Dict[int, torch.Tensor] = {}
+    for (group, _), members in buckets.items():
+        logical.update(zip(map(id, members), _gather_flat(members, group)))
+    return logical
+
+
+def _normed_params(optimizers: Iterable[Any]) -> List[Any]:
+    params = []
+    for optimizer in optimizers:
+        _check_supported(optimizer)
+        params += [param for param in optimizer.get_parameters()
+                   if param.grad is not None and not getattr(param, "shared", False)]
+    for param in params:
+        _check_param(param)
+    return params
 
 
 @torch.no_grad()
 def logical_grad_norm(optimizers: Iterable[Any]) -> float:
     """L2 norm of every (not shared) parameter's logical grad, accumulated in float64 in model order."""
+    params = _normed_params(optimizers)
+    logical = _logical_sharded_grads(params)
     total = None
-    for optimizer in optimizers:
-        _check_supported(optimizer)
-        for param in optimizer.get_parameters():
-            if param.grad is None or getattr(param, "shared", False):
-                continue
-            square_sum = _logical_grad(param, param.grad).double().square().sum()
-            total = square_sum if total is None else total + square_sum
+    for param in params:
+        square_sum = logical.get(id(param), param.grad).double().square().sum()
+        total = square_sum if total is None else total + square_sum
     return 0.0 if total is None else float(total.sqrt())
 
 

@@ -11,6 +11,7 @@ CROSS_ENTROPY_MODULE = "megatron.core.tensor_parallel.cross_entropy"
 
 def patch_layers(patcher, layers) -> None:
     """Column / row parallel linears as full world-size-1 GEMMs with the LoRA branch at full width."""
+    from megatron_lora_patch.tp_invariant import cache
     from megatron_lora_patch.tp_invariant.linear import column_forward_impl, row_forward_impl
     from megatron_lora_patch.lora import grad_sync
     from megatron_lora_patch.registry import SkipPatch
@@ -24,6 +25,7 @@ def patch_layers(patcher, layers) -> None:
     # already complete there, and the finalize SUM would multiply them by the TP size.
     previous = grad_sync.set_complete_domains({"tp"})
     patcher.on_revert(lambda: grad_sync.set_complete_domains(previous))
+    patcher.on_revert(cache.clear)  # the gathered weights belong to the mode that is being turned off
 
 
 def _mark_gated_fc1(wrapped, instance, args, kwargs):
@@ -57,10 +59,17 @@ def patch_language_module(patcher, language_module) -> None:
     patcher.wrap(language_module, "fused_vocab_parallel_cross_entropy", fused_vocab_parallel_cross_entropy)
 
 
+#: The optimizer classes whose `step_with_ready_grads` writes the params (the chained one calls the others).
+STEPPING_OPTIMIZERS = ("MixedPrecisionOptimizer", "FP32Optimizer", "ChainedOptimizer")
+
+
 def patch_optimizer(patcher, optimizer) -> None:
-    """The grad norm (and clipping) of the logical grads in float64."""
-    from megatron_lora_patch.tp_invariant import grad_norm
+    """The grad norm (and clipping) of the logical grads in float64; after each param update the
+    cached full LoRA factors are gathered again (`tp_invariant.cache`)."""
+    from megatron_lora_patch.tp_invariant import cache, grad_norm
 
     patcher.wrap(optimizer.MegatronOptimizer, "get_grad_norm", grad_norm.get_grad_norm)
     patcher.wrap(optimizer.MegatronOptimizer, "clip_grad_norm", grad_norm.clip_grad_norm)
     patcher.wrap(optimizer.ChainedOptimizer, "get_grad_norm", grad_norm.chained_get_grad_norm)
+    for name in STEPPING_OPTIMIZERS:
+        patcher.wrap(getattr(optimizer, name), "step_with_ready_grads", cache.optimizer_stepped)

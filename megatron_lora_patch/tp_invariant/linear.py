@@ -17,7 +17,9 @@ mapping, `gather_output`, the bias and the row reduction; only the matmul change
   `owned_by_first_rank`, and the replicated B gets its complete grad on every rank.
 
 Compute and activation cost: every GEMM runs at full size on every rank (TP times the
-work of a shard) and the full weights are gathered per call.
+work of a shard). The full weights, biases and LoRA factors are gathered once and cached
+(`tp_invariant.cache`: the frozen base until its shard changes, the factors once per optimizer
+step); only the activations (row input) are gathered per call.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_lora_patch.tp_invariant.cache import cached_gather
 from megatron_lora_patch.tp_invariant.collectives import gather_logical, local_slice, owned_by_first_rank
 from megatron_lora_patch.lora.linear import adapter_of, add_up_projection
 from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
@@ -93,6 +96,14 @@ def _stride(layer: Any, tensor: torch.Tensor) -> int:
     return max(getattr(tensor, "partition_stride", 1), getattr(layer, OUT_STRIDE_ATTRIBUTE, 1))
 
 
+def _full_up_weight(layer: Any, adapter: Any, group: Any) -> torch.Tensor:
+    """The column adapter's full B as the LoRA term uses it (`LoraAdapter.up_weight`: block-masked for
+    separate projections), from the cached gathers of its shards and of its mask."""
+    stride = _stride(layer, adapter.B)
+    full_b = cached_gather(adapter.B, 0, stride, group)
+    return full_b if adapter.block_mask is None else full_b * cached_gather(adapter.block_mask, 0, stride, group)
+
+
 def column_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   sequence_parallel: bool) -> torch.Tensor:
     """This rank's output columns, cut from the full world-size-1 output (base + LoRA)."""
@@ -106,12 +117,11 @@ def column_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor, bias: O
     else:
         total = input  # non-SP: no dgrad all-reduce; every rank computes the complete input grad
     stride = _stride(layer, weight)
-    full_bias = None if bias is None else gather_logical(bias, 0, stride, group)
-    output = _matmul(total, gather_logical(weight, 0, stride, group), full_bias)
+    full_bias = None if bias is None else cached_gather(bias, 0, stride, group)
+    output = _matmul(total, cached_gather(weight, 0, stride, group), full_bias)
     adapter = adapter_of(layer)
     if adapter is not None:
-        full_b = gather_logical(adapter.up_weight(), 0, _stride(layer, adapter.B), group)
-        output = _plus_lora(output, adapter, total, adapter.A, full_b)
+        output = _plus_lora(output, adapter, total, adapter.A, _full_up_weight(layer, adapter, group))
     return local_slice(output, -1, stride, group)
 
 
@@ -120,10 +130,10 @@ def row_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor) -> torch.T
     _check_supported(layer)
     group = layer.tp_group
     total = gather_logical(input, -1, 1, group)
-    output = _matmul(total, gather_logical(weight, 1, 1, group))
+    output = _matmul(total, cached_gather(weight, 1, 1, group))
     adapter = adapter_of(layer)
     if adapter is not None:
-        output = _plus_lora(output, adapter, total, gather_logical(adapter.A, 1, 1, group), adapter.up_weight())
+        output = _plus_lora(output, adapter, total, cached_gather(adapter.A, 1, 1, group), adapter.up_weight())
     return owned_by_first_rank(output, group)
 
 
