@@ -66,7 +66,10 @@ def test_bad_value_stops_activation(variable, value, message):
     assert_one_line_error(run_fresh(["-c", ACTIVATE], **{variable: value}), message)
 
 
-ACCEPTED_KEYS = "rank, alpha, dropout, targets, exclude, init, b_init, seed, sp_input, rslora, rank_pattern, alpha_pattern"
+ACCEPTED_KEYS = (
+    "rank, alpha, dropout, targets, exclude, init, b_init, seed, sp_input, rslora, rank_pattern, alpha_pattern, "
+    "modules_to_save"
+)
 
 # name -> (file name, content or None for no file, the message with {path} for the file's path)
 CONFIG_FILE_ERRORS = {

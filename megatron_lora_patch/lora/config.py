@@ -26,6 +26,10 @@ like a target entry (a module's last name component, or an fnmatch glob over its
 qualified name), to that module's rank (alpha); the first matching entry wins, as in PEFT, and
 a module no entry matches uses `rank` (`alpha`). `MEGATRON_LORA_RSLORA=1` scales by
 alpha / sqrt(r) instead of alpha / r (rsLoRA, PEFT's `use_rslora`).
+
+Modules to train fully (PEFT's `modules_to_save`): `MEGATRON_LORA_MODULES_TO_SAVE='output_layer'`
+names modules, matched like a target entry, whose base weights stay trainable with Megatron's own
+sharding and grad sync (`trained_fully.py` says which modules qualify).
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ INIT_CHOICES = ("kaiming", "gaussian")
 B_INIT_CHOICES = ("zero", "nonzero")
 SP_INPUT_CHOICES = ("keep", "regather")
 PATTERN_FIELDS = ("rank_pattern", "alpha_pattern")
+#: Canonical names of the modules that may train fully (`modules_to_save`; lora/trained_fully.py says why).
+TRAINABLE_MODULES = ("output_layer", "embedding.word_embeddings")
 
 
 class LoraConfigError(UsageError, ValueError):
@@ -72,6 +78,8 @@ class LoraConfig:
     # ((pattern, value), ...): the first entry matching a module (like a target) sets its rank / alpha
     rank_pattern: tuple = ()
     alpha_pattern: tuple = ()
+    # modules whose base weights train fully (PEFT modules_to_save), matched like targets
+    modules_to_save: tuple = ()
 
     def __post_init__(self) -> None:
         for name in PATTERN_FIELDS:  # a mapping, or JSON's list of pairs, as a tuple of pairs in order
@@ -104,13 +112,16 @@ class LoraConfig:
             "rslora": self.rslora,
             "rank_pattern": [list(pair) for pair in self.rank_pattern],
             "alpha_pattern": [list(pair) for pair in self.alpha_pattern],
+            "modules_to_save": list(self.modules_to_save),
         }
 
     @classmethod
     def from_description(cls, description: Mapping[str, Any]) -> "LoraConfig":
-        """The rank / alpha settings of a checkpoint description (older ones have no rsLoRA or patterns)."""
+        """The rank / alpha settings and fully trained modules of a checkpoint description (older ones
+        have no rsLoRA, patterns or modules to save)."""
         keys = ("rank", "alpha", "rslora", "rank_pattern", "alpha_pattern")
-        return cls(**{key: description[key] for key in keys if key in description})
+        values = {key: description[key] for key in keys if key in description}
+        return cls(**values, modules_to_save=tuple(description.get("modules_to_save", ())))
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "LoraConfig":
@@ -257,6 +268,12 @@ def _names(value: Any, allow_empty: bool) -> bool:
     )
 
 
+_OPTIONAL_NAMES = (
+    "a comma-separated list of module names or glob patterns",
+    lambda text: _split_names(text) if text.strip() else (),
+    lambda v: _names(v, allow_empty=True),
+)
+
 # field -> (requirement sentence, string parser, typed-value check)
 _RULES: dict = {
     "rank": ("a positive integer", int, _positive_int),
@@ -267,11 +284,7 @@ _RULES: dict = {
         _split_names,
         lambda v: _names(v, allow_empty=False),
     ),
-    "exclude": (
-        "a comma-separated list of module names or glob patterns",
-        lambda text: _split_names(text) if text.strip() else (),
-        lambda v: _names(v, allow_empty=True),
-    ),
+    "exclude": _OPTIONAL_NAMES,
     "init": ("one of " + ", ".join(INIT_CHOICES), str.strip, lambda v: v in INIT_CHOICES),
     "b_init": ("one of " + ", ".join(B_INIT_CHOICES), str.strip, lambda v: v in B_INIT_CHOICES),
     "seed": ("a non-negative integer", int, _non_negative_int),
@@ -287,6 +300,13 @@ _RULES: dict = {
         "comma-separated pattern=alpha entries (positive numbers, each pattern once), e.g. 'linear_fc1=16'",
         _pattern_parser(float),
         lambda v: _pattern(v, _positive_finite),
+    ),
+    "modules_to_save": (
+        "a comma-separated list of modules to train fully, each matching one of " + ", ".join(TRAINABLE_MODULES)
+        + " (a last name such as output_layer or word_embeddings, or a glob)",
+        _OPTIONAL_NAMES[1],
+        lambda v: _names(v, allow_empty=True)
+        and all(any(module_matches(name, (entry,)) for name in TRAINABLE_MODULES) for entry in v),
     ),
 }
 

@@ -22,7 +22,8 @@ setting than the model's adapters, DoRA / biases), naming the module.
 `adapter_config.json` holds only PEFT's own fields (peft warns about any other key); this
 package's metadata (the model family) sits beside it in `megatron_lora_patch.json`.
 Megatron experts are refused: PEFT has no per-expert layout for them (transformers keeps
-MoE experts as fused tensors, not per-expert linears).
+MoE experts as fused tensors, not per-expert linears). Fully trained modules (`modules_to_save`:
+`lm_head`, `embed_tokens`) are written and read by `peft_modules`.
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ import torch
 
 from megatron_lora_patch.errors import UsageError
 
-from . import layouts
+from . import layouts, peft_modules
 from .config import LoraConfig
+from .peft_modules import PEFT_PREFIX
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
 METADATA_NAME = "megatron_lora_patch.json"  # our own fields, kept out of PEFT's config
 LEGACY_METADATA_KEY = "megatron_lora_patch"  # where versions up to 0.x embedded them in the PEFT config
-PEFT_PREFIX = "base_model.model."
 
 Logical = Dict[str, Tuple[torch.Tensor, torch.Tensor]]  # canonical module name -> (A, B)
 
@@ -131,11 +132,14 @@ def _parse(name: str) -> Tuple[int, str]:
     return int(match.group(1)), match.group(2)
 
 
-def to_peft(logical: Logical, description: dict, family: str = "llama") -> Tuple[Dict[str, torch.Tensor], dict]:
-    """PEFT tensors (sorted by name, contiguous) and adapter config (PEFT fields only) for the logical adapters."""
+def to_peft(
+    logical: Logical, description: dict, family: str = "llama", full: Optional[Dict[str, torch.Tensor]] = None
+) -> Tuple[Dict[str, torch.Tensor], dict]:
+    """PEFT tensors (sorted by name, contiguous) and adapter config (PEFT fields only) for the logical
+    adapters and the fully trained weights `full` (canonical module name -> logical weight)."""
     names = names_for(family)
     settings = LoraConfig.from_description(description)
-    tensors: Dict[str, torch.Tensor] = {}
+    tensors, modules_to_save = peft_modules.to_peft(full or {})
     ranks: Dict[str, int] = {}
     alphas: Dict[str, float] = {}
     layer_modules: Dict[str, set] = {}
@@ -165,6 +169,7 @@ def to_peft(logical: Logical, description: dict, family: str = "llama") -> Tuple
         "fan_in_fan_out": False,
         "use_rslora": settings.rslora,
         "use_dora": False,
+        "modules_to_save": modules_to_save,
         "inference_mode": True,
         "base_model_name_or_path": None,
     }
