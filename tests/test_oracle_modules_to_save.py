@@ -1,0 +1,53 @@
+"""The oracle with fully trained modules (PEFT's modules_to_save, issue 19): every default topology still
+equals world-1 when the vocab-parallel output layer (and, dense, the embedding) trains fully beside the
+adapters; their grads and deltas are compared like the adapters' (the driver captures every trainable
+parameter, `testing.shards` puts the vocabulary shards back together). The world-1 run is checked to
+really train them. Negative control: the output layer's grad left out of the DP sum (mutation
+`trained_fully_outside_dp_sync`), caught on dp2 by >= 100x (measured 5.0e3 x its threshold).
+
+Measured (fp32, seed 1234, output_layer + word_embeddings): worst grads 4.9e-6 (tp2, threshold 1e-4),
+deltas 3.3e-5 (tp2, threshold 1e-3): the noise of the adapter-only runs.
+"""
+
+from __future__ import annotations
+
+from megatron_lora_patch.oracle import harness
+from megatron_lora_patch.oracle.command import DEFAULT_TOPOLOGIES
+from megatron_lora_patch.oracle.mutations import MUTATIONS
+from megatron_lora_patch.testing.topology import Topology
+
+from test_oracle_lora_options import DENSE_TOPOLOGIES, MOE_TOPOLOGIES
+
+BOTH = (("modules_to_save", ("output_layer", "word_embeddings")),)
+OUTPUT_LAYER = (("modules_to_save", ("output_layer",)),)
+WEIGHTS = {"output_layer.weight", "embedding.word_embeddings.weight"}
+
+
+def _trained_base_weights(settings: harness.OracleSettings) -> set:
+    """The non-adapter parameters the world-1 run of `settings` trains (captures hold trainable ones only)."""
+    (records, error), = harness._run_isolated([harness.make_job(Topology.parse("tp1"), settings)], timeout=600)
+    assert error is None, error
+    return {name for name in harness.adapter_shapes(records) if ".lora." not in name}
+
+
+def _check(report, topologies) -> None:
+    print(report.table())
+    assert report.passed and len(report.topologies) == len(topologies), report.table()
+    for result in report.mutations:
+        assert result.caught and result.worst_ratio >= 100, report.table()
+
+
+def test_dense_topologies_match_world1_with_output_layer_and_embedding_trained_fully():
+    settings = harness.OracleSettings(model="dense", lora_options=BOTH)
+    assert _trained_base_weights(settings) == WEIGHTS
+    assert _trained_base_weights(harness.OracleSettings(model="dense")) == set()
+    report = harness.run_oracle(DENSE_TOPOLOGIES, [MUTATIONS["trained_fully_outside_dp_sync"]], settings=settings)
+    _check(report, DENSE_TOPOLOGIES)
+    assert len(report.mutations) == 1
+
+
+def test_moe_topologies_match_world1_with_the_output_layer_trained_fully():
+    settings = harness.OracleSettings(model="moe", lora_options=OUTPUT_LAYER)
+    report = harness.run_oracle(MOE_TOPOLOGIES, settings=settings)
+    _check(report, MOE_TOPOLOGIES)
+    assert set(DENSE_TOPOLOGIES + MOE_TOPOLOGIES) == set(DEFAULT_TOPOLOGIES)
