@@ -12,14 +12,18 @@ import torch
 import persistence_worker as persistence
 from megatron_lora_patch.testing.models import DEFAULT_SEED, logical_state_dict
 
-TRAINED = ("output_layer.weight", "embedding.word_embeddings.weight")
+
+
+def trained_names(spec) -> tuple:
+    """The logical weights modules_to_save trains: both, or the one weight of tied embeddings."""
+    return ("embedding.word_embeddings.weight",) + (() if spec.tie_embeddings else ("output_layer.weight",))
 
 
 def trained_state_dict(spec) -> dict:
     """The base weights of (spec, DEFAULT_SEED) with the fully trained ones moved by seeded noise."""
     weights = dict(logical_state_dict(spec, DEFAULT_SEED))
     generator = torch.Generator().manual_seed(5)
-    for name in TRAINED:
+    for name in trained_names(spec):
         weights[name] = weights[name] + 0.05 * torch.randn(weights[name].shape, generator=generator)
     return weights
 
@@ -69,4 +73,4 @@ def assemble(rank_items: list, spec) -> dict:
     from megatron_lora_patch.testing.shards import assemble_logical
 
     shapes = {name: tuple(tensor.shape) for name, tensor in logical_state_dict(spec, DEFAULT_SEED).items()}
-    return assemble_logical(rank_items, {name: shapes[name] for name in TRAINED})
+    return assemble_logical(rank_items, {name: shapes[name] for name in trained_names(spec)})

@@ -1,7 +1,7 @@
 """Modules trained fully (PEFT's `modules_to_save`, issue 19): parsing from the environment and the config
-file, one-line refusals (a module that cannot train fully, tied embeddings, a module both adapted and
-trained fully, a PEFT adapter whose modules_to_save differs from the model's), and which weights a built
-model trains. The oracle proof is test_oracle_modules_to_save, the PEFT round trip test_persistence_peft_modules.
+file, one-line refusals (a module that cannot train fully, a module both adapted and trained fully, a PEFT
+adapter whose modules_to_save differs from the model's or, tied, is not weight-tied), and which weights a
+built model trains (tied embeddings: the one shared weight). The oracle proof is test_oracle_modules_to_save, the PEFT round trip test_persistence_peft_modules.
 """
 
 from __future__ import annotations
@@ -52,41 +52,31 @@ def test_a_bad_config_file_entry_names_the_file(tmp_path):
     assert str(raised.value) == f"modules_to_save in {path} must be {SYNTAX}, got ['lm_head']"
 
 
+TIED = TRAINABLE.replace("TinyGPTSpec()", "TinyGPTSpec(tie_embeddings=True)")
+
+
 @pytest.mark.parametrize(
-    "value, trainable",
+    "script, value, trainable",
     [
-        ("output_layer", "output_layer.weight"),
-        ("word_embeddings", "embedding.word_embeddings.weight"),
-        ("*", "embedding.word_embeddings.weight,output_layer.weight"),
-        ("", ""),
+        (TRAINABLE, "output_layer", "output_layer.weight"),
+        (TRAINABLE, "word_embeddings", "embedding.word_embeddings.weight"),
+        (TRAINABLE, "*", "embedding.word_embeddings.weight,output_layer.weight"),
+        (TRAINABLE, "", ""),
+        (TIED, "output_layer", "embedding.word_embeddings.weight"),  # tied: one weight, whichever is named
     ],
 )
-def test_only_the_named_weights_stay_trainable(value, trainable):
-    result = run_fresh(["-c", TRAINABLE], MEGATRON_PLUGINS="lora_correct", MEGATRON_LORA_MODULES_TO_SAVE=value)
+def test_only_the_named_weights_stay_trainable(script, value, trainable):
+    result = run_fresh(["-c", script], MEGATRON_PLUGINS="lora_correct", MEGATRON_LORA_MODULES_TO_SAVE=value)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"trainable: {trainable}\n" in result.stdout, result.stdout
 
 
-TIED = BUILD.replace("TinyGPTSpec()", "TinyGPTSpec(tie_embeddings=True)")
-BUILD_ERRORS = {
-    "tied": (
-        TIED,
-        {"MEGATRON_LORA_MODULES_TO_SAVE": "output_layer"},
-        "MEGATRON_LORA_MODULES_TO_SAVE on a model with tied embeddings is not supported (PEFT would train two "
-        "copies of the one shared weight); untie them (--untie-embeddings-and-output-weights) or unset it",
-    ),
-    "adapted_too": (
-        BUILD,
-        {"MEGATRON_LORA_MODULES_TO_SAVE": "output_layer", "MEGATRON_LORA_TARGETS": "linear_qkv,output_layer"},
+def test_a_module_both_adapted_and_trained_fully_stops_the_model_build():
+    env = {"MEGATRON_LORA_MODULES_TO_SAVE": "output_layer", "MEGATRON_LORA_TARGETS": "linear_qkv,output_layer"}
+    assert_one_line_error(
+        run_fresh(["-c", BUILD], MEGATRON_PLUGINS="lora_correct", **env),
         "output_layer is both a LoRA target and in MEGATRON_LORA_MODULES_TO_SAVE; keep it in one of them",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", BUILD_ERRORS)
-def test_unsupported_combinations_stop_the_model_build(case):
-    script, env, message = BUILD_ERRORS[case]
-    assert_one_line_error(run_fresh(["-c", script], MEGATRON_PLUGINS="lora_correct", **env), message)
+    )
 
 
 DESCRIPTION = {"modules_to_save": ["output_layer"]}
@@ -111,3 +101,27 @@ def test_peft_modules_to_save_must_be_the_models():
     with pytest.raises(PeftFormatError) as raised:
         peft_modules.split({}, {"modules_to_save": ["lm_head"]}, DESCRIPTION, "dir", PeftFormatError)
     assert str(raised.value) == "dir: missing base_model.model.lm_head.weight (the fully trained Megatron output_layer)"
+
+
+TIED_DESCRIPTION = {"modules_to_save": ["output_layer"], "tied_embeddings": True}
+TIED_CONFIG = {"modules_to_save": ["embed_tokens", "model.embed_tokens"], "ensure_weight_tying": True}  # as peft writes
+
+
+def test_tied_embeddings_need_peft_weight_tying():
+    import torch
+
+    weight = torch.ones(2, 2)
+    tensors = {"base_model.model.lm_head.weight": weight, "base_model.model.model.embed_tokens.weight": weight}
+    rest, full = peft_modules.split(dict(tensors, lora=weight), TIED_CONFIG, TIED_DESCRIPTION, "dir", PeftFormatError)
+    assert set(rest) == {"lora"} and set(full) == {"embedding.word_embeddings"}
+    untied = {"modules_to_save": ["embed_tokens", "lm_head"]}
+    with pytest.raises(PeftFormatError) as raised:
+        peft_modules.split(tensors, untied, TIED_DESCRIPTION, "dir", PeftFormatError)
+    assert str(raised.value) == (
+        "dir: the model's tied embeddings train fully as one weight, the adapter needs modules_to_save with "
+        "embed_tokens and ensure_weight_tying=true (train it so in peft)"
+    )
+    apart = dict(tensors, **{"base_model.model.lm_head.weight": weight + 1})
+    with pytest.raises(PeftFormatError) as raised:
+        peft_modules.split(apart, TIED_CONFIG, TIED_DESCRIPTION, "dir", PeftFormatError)
+    assert str(raised.value) == "dir: base_model.model.lm_head.weight differs from the tied embedding it must equal"

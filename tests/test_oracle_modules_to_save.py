@@ -11,9 +11,9 @@ deltas 3.3e-5 (tp2, threshold 1e-3): the noise of the adapter-only runs.
 
 from __future__ import annotations
 
-from megatron_lora_patch.oracle import harness
+from megatron_lora_patch.oracle import harness, known_bugs
 from megatron_lora_patch.oracle.command import DEFAULT_TOPOLOGIES
-from megatron_lora_patch.oracle.mutations import MUTATIONS
+from megatron_lora_patch.oracle.mutations import MUTATIONS, Mutation
 from megatron_lora_patch.testing.topology import Topology
 
 from test_oracle_lora_options import DENSE_TOPOLOGIES, MOE_TOPOLOGIES
@@ -51,3 +51,22 @@ def test_moe_topologies_match_world1_with_the_output_layer_trained_fully():
     report = harness.run_oracle(MOE_TOPOLOGIES, settings=settings)
     _check(report, MOE_TOPOLOGIES)
     assert set(DENSE_TOPOLOGIES + MOE_TOPOLOGIES) == set(DEFAULT_TOPOLOGIES)
+
+
+#: Not in the registry: the default (untied) oracle model has no tied embedding to sync.
+SKIP_TIED_SYNC = Mutation(
+    "skip_tied_embedding_grad_sync",
+    "The tied word-embedding grads are not all-reduced over the first and last pipeline stage.",
+    "pp2",
+    install=known_bugs.skip_tied_embedding_grad_sync,
+)
+
+
+def test_tied_embeddings_train_as_one_weight_on_every_dense_topology():
+    """Tied: naming the output layer trains the one shared weight (the embedding, and under PP the last
+    stage's copy, summed over both stages by Megatron's finalize); skipping that sum is caught on pp2."""
+    settings = harness.OracleSettings(model="dense", tie_embeddings=True, lora_options=OUTPUT_LAYER)
+    assert _trained_base_weights(settings) == {"embedding.word_embeddings.weight"}
+    report = harness.run_oracle(DENSE_TOPOLOGIES, [SKIP_TIED_SYNC], settings=settings)
+    _check(report, DENSE_TOPOLOGIES)
+    assert len(report.mutations) == 1

@@ -181,6 +181,7 @@ def describe(chunks: Iterable[torch.nn.Module]) -> Dict[str, Any]:
         "kv_channels": config.kv_channels,
         "gated_linear_unit": bool(config.gated_linear_unit),
         "num_experts": config.num_moe_experts or 0,
+        "tied_embeddings": bool(getattr(model, "share_embeddings_and_output_weights", False)),
     }
 
 

@@ -29,7 +29,7 @@ alpha / sqrt(r) instead of alpha / r (rsLoRA, PEFT's `use_rslora`).
 
 Modules to train fully (PEFT's `modules_to_save`): `MEGATRON_LORA_MODULES_TO_SAVE='output_layer'`
 names modules, matched like a target entry, whose base weights stay trainable with Megatron's own
-sharding and grad sync (`trained_fully.py` says which modules qualify).
+sharding and grad sync (`trained_fully.py` says which modules qualify; tied embeddings are one weight).
 """
 
 from __future__ import annotations

@@ -141,11 +141,8 @@ def load_trained_fully(model: torch.nn.Module, full: Dict[str, torch.Tensor], wh
     from megatron.core.utils import get_pg_rank, get_pg_size
 
     with torch.no_grad():
-        for name, weight in full.items():
-            module = trained_fully.module_of(model, name)
-            if module is None:
-                continue  # another pipeline stage holds it
-            world = get_pg_size(module.tp_group)
+        for module, name in trained_fully.trained_weights(model):
+            weight, world = full[name], get_pg_size(module.tp_group)
             want = (world * module.weight.shape[0], module.weight.shape[1])
             if tuple(weight.shape) != want:
                 raise peft.PeftFormatError(

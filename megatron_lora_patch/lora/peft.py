@@ -139,7 +139,7 @@ def to_peft(
     adapters and the fully trained weights `full` (canonical module name -> logical weight)."""
     names = names_for(family)
     settings = LoraConfig.from_description(description)
-    tensors, modules_to_save = peft_modules.to_peft(full or {})
+    tensors, trained_fully = peft_modules.to_peft(full or {}, description)
     ranks: Dict[str, int] = {}
     alphas: Dict[str, float] = {}
     layer_modules: Dict[str, set] = {}
@@ -169,7 +169,7 @@ def to_peft(
         "fan_in_fan_out": False,
         "use_rslora": settings.rslora,
         "use_dora": False,
-        "modules_to_save": modules_to_save,
+        **trained_fully,  # modules_to_save, ensure_weight_tying
         "inference_mode": True,
         "base_model_name_or_path": None,
     }

@@ -11,9 +11,10 @@ when the configuration is parsed):
 - `embedding.word_embeddings` (a `VocabParallelEmbedding`, the first stage).
 
 Their grads are synced over DP x CP by Megatron's DDP like any trainable weight, and they keep
-Megatron's tensor-parallel attributes, so the grad norm counts each element once. Tied
-embeddings (`share_embeddings_and_output_weights`) are refused: the one shared weight would
-need PEFT's two copies kept equal, which a further PEFT training step breaks.
+Megatron's tensor-parallel attributes, so the grad norm counts each element once. With tied embeddings
+(`share_embeddings_and_output_weights`) the two are one weight: naming either trains it, i.e. the
+embedding on the first stage and, under PP, the last stage's copy in the output layer, whose grads
+Megatron's finalize all-reduces over the embedding group (first and last stage), as in pretraining.
 
 A fully trained parameter carries the attribute `TRAINED_FULLY` (its canonical module name),
 which `attach.freeze_base` spares and the adapter-only checkpoint saves.
@@ -36,20 +37,17 @@ def mark(model: torch.nn.Module, config: LoraConfig, labels: dict, adapted: List
     label = labels["modules_to_save"]  # each entry matches one of TRAINABLE_MODULES (LoraConfig checks it)
     if not config.modules_to_save:
         return []
-    if getattr(model, "share_embeddings_and_output_weights", False):
-        raise LoraConfigError(
-            f"{label} on a model with tied embeddings is not supported (PEFT would train two copies of the one "
-            "shared weight); untie them (--untie-embeddings-and-output-weights) or unset it"
-        )
     both = [name for name in TRAINABLE_MODULES if name in adapted and module_matches(name, config.modules_to_save)]
     if both:
         raise LoraConfigError(f"{both[0]} is both a LoRA target and in {label}; keep it in one of them")
+    tied = getattr(model, "share_embeddings_and_output_weights", False)
     marked = []
     for name in TRAINABLE_MODULES:
         module = module_of(model, name)
-        if module is not None and module_matches(name, config.modules_to_save):
-            for param in module.parameters(recurse=False):
-                setattr(param, TRAINED_FULLY, name)
+        if module is None or getattr(module, "weight", None) is None:
+            continue  # another pipeline stage holds it (or, tied at PP 1, the embedding is the output weight)
+        if tied or module_matches(name, config.modules_to_save):
+            setattr(module.weight, TRAINED_FULLY, name)
             marked.append(name)
     return marked
 
@@ -66,6 +64,18 @@ def module_of(model: torch.nn.Module, name: str):
 
 def is_trained_fully(param: torch.Tensor) -> bool:
     return getattr(param, TRAINED_FULLY, None) is not None
+
+
+def trained_weights(model: torch.nn.Module) -> List[tuple]:
+    """(module, name of the logical weight it holds) of this chunk's fully trained modules; tied, the
+    output layer's copy holds the embedding's weight."""
+    tied = getattr(model, "share_embeddings_and_output_weights", False)
+    found = []
+    for name in TRAINABLE_MODULES:
+        module = module_of(model, name)
+        if module is not None and getattr(module, "weight", None) is not None and is_trained_fully(module.weight):
+            found.append((module, "embedding.word_embeddings" if tied else name))
+    return found
 
 
 def state_keys(model: torch.nn.Module) -> set:

@@ -61,6 +61,7 @@ class OracleSettings:
     lora_alpha: float = 8.0
     # More LoraConfig fields as (name, value) pairs, e.g. (("rslora", True), ("rank_pattern", {...}))
     lora_options: tuple = ()
+    tie_embeddings: bool = False  # the dense / MoE model with tied embedding and output weights
     timeout_s: float = 600.0
 
     def threshold(self, phase: str, step: int) -> Optional[float]:
@@ -86,6 +87,7 @@ def model_for(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
         spec = HYBRID
     else:
         spec = MOE if settings.model == "moe" or (settings.model == "auto" and expert_parallel) else DENSE
+    spec = spec.replace(tie_embeddings=True) if settings.tie_embeddings else spec
     return spec.replace(dtype="bfloat16") if settings.dtype == "bf16" else spec
 
 

@@ -319,3 +319,15 @@ def finalize_with_local_trained_fully_grads(model, num_tokens=None, *args, **kwa
     for param, grad in local:
         param.main_grad.copy_(grad if num_tokens is None else grad / num_tokens.clamp(min=1))
     return result
+
+
+def _no_word_embedding_grad_all_reduce(*args, **kwargs) -> None:
+    """The tied embedding's grads stay per stage: the first stage's embedding and the last stage's copy drift."""
+
+
+def skip_tied_embedding_grad_sync(patcher: Patcher) -> None:
+    """Megatron's all-reduce of the tied word-embedding grads over first and last stage never runs."""
+    import importlib
+
+    module = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the package attr is the function
+    patcher.replace(module, "_allreduce_word_embedding_grads", _no_word_embedding_grad_all_reduce)
