@@ -5,8 +5,13 @@ parameter, `testing.shards` puts the vocabulary shards back together). The world
 really train them. Negative control: the output layer's grad left out of the DP sum (mutation
 `trained_fully_outside_dp_sync`), caught on dp2 by >= 100x (measured 5.0e3 x its threshold).
 
+Tied embeddings (one weight; under PP the last stage's copy, summed with the embedding's grad over
+first and last stage by Megatron's finalize) pass the dense topologies; skipping that sum is caught on
+pp2 (measured 3.7e3 x the grad-norm threshold).
+
 Measured (fp32, seed 1234, output_layer + word_embeddings): worst grads 4.9e-6 (tp2, threshold 1e-4),
-deltas 3.3e-5 (tp2, threshold 1e-3): the noise of the adapter-only runs.
+deltas 3.3e-5 (tp2, threshold 1e-3); MoE ep2 / tp2-etp2-sp grads <= 1.3e-6; tied grads <= 1.9e-6: the
+noise of the adapter-only runs.
 """
 
 from __future__ import annotations
