@@ -3,7 +3,7 @@ LlamaForCausalLM for the dense testbed, MixtralForCausalLM or Qwen3MoeForCausalL
 `qk_layernorm`: Megatron's q / k layernorm are Qwen3's per-head q_norm / k_norm) for the MoE one.
 
 The testbed model is Llama-shaped: RMSNorm (Megatron's default eps 1e-5), GQA, SwiGLU,
-RoPE (base 10000, rotate-half), no linear biases, untied embeddings. Its weights map
+RoPE (base 10000, rotate-half), no linear biases, untied embeddings (tied: `lm_head` is the embedding). Its weights map
 to HF names with the qkv rows split out of Megatron's per-query-group layout and fc1
 split into gate / up; a wrong split shows up as a logits mismatch. MoE layers: the router is
 `mlp.gate`, and expert e's fc1 / fc2 weights are `mlp.experts.gate_up_proj[e]` / `down_proj[e]`
@@ -31,7 +31,7 @@ def hf_state_dict(spec: TinyGPTSpec, seed: int, weights: Optional[dict] = None) 
     out = {
         "model.embed_tokens.weight": weights["embedding.word_embeddings.weight"],
         "model.norm.weight": weights["decoder.final_layernorm.weight"],
-        "lm_head.weight": weights["output_layer.weight"],
+        "lm_head.weight": weights["output_layer.weight" if "output_layer.weight" in weights else "embedding.word_embeddings.weight"],
     }
     for layer in range(spec.num_layers):
         src, dst = f"decoder.layers.{layer}.", f"model.layers.{layer}."

@@ -110,7 +110,8 @@ def test_bad_config_files(tmp_path):
         LoraConfig.from_env({"MEGATRON_LORA_CONFIG": str(unknown)})
     assert str(raised.value) == (
         f"MEGATRON_LORA_CONFIG ({unknown}): unknown key 'rnak' (did you mean 'rank'?); accepted keys: "
-        "rank, alpha, dropout, targets, exclude, init, b_init, seed, sp_input, rslora, rank_pattern, alpha_pattern, separate_projections"
+        "rank, alpha, dropout, targets, exclude, init, b_init, seed, sp_input, rslora, rank_pattern, alpha_pattern, "
+        "separate_projections, modules_to_save"
     )
 
     typed = tmp_path / "typed.toml"

@@ -35,6 +35,7 @@ from .config import PATTERN_FIELDS, DEFAULT_TARGETS, LoraConfig, LoraConfigError
 from .config import module_matches as _matches
 from .megatron_checkpoint import remember
 from .metadata import ADAPTER_NAME, adapter_info
+from .trained_fully import is_trained_fully, mark
 from .unsupported import refuse_unsupported
 from .projections import projection_rows
 
@@ -221,8 +222,9 @@ def attach_adapters(model: torch.nn.Module, config: Optional[LoraConfig] = None)
     """Attach a `LoraAdapter` to every targeted parallel linear of `model`; freeze the rest.
 
     Returns the canonical names of the adapted modules. Raises `LoraConfigError` when a
-    target or exclude entry matches no linear layer, when nothing is selected, or when the
-    rank exceeds a targeted layer's dimensions. Calling it again adds nothing.
+    target or exclude entry matches no linear layer, when nothing is selected, when the
+    rank exceeds a targeted layer's dimensions, or when a `modules_to_save` entry names a
+    module that cannot train fully (`trained_fully.py`). Calling it again adds nothing.
     """
     config, labels = (config, code_labels()) if config is not None else active_with_labels()
     linears: Dict[str, Tuple[Tuple[str, bool, bool], Optional[int], torch.nn.Module, torch.nn.Module]] = {}
@@ -232,6 +234,7 @@ def attach_adapters(model: torch.nn.Module, config: Optional[LoraConfig] = None)
             linears[name] = (kind, expert_index, module, parent)
     selected = _select(model, list(linears), config, labels)
     refuse_unsupported(model, ((name, *linears[name][2:]) for name in selected))
+    trained_fully = mark(model, config, labels, selected)
     for name in selected:
         kind, expert_index, module, parent = linears[name]
         if ADAPTER_NAME in module._modules:
@@ -261,13 +264,14 @@ def attach_adapters(model: torch.nn.Module, config: Optional[LoraConfig] = None)
         module.add_module(ADAPTER_NAME, torch.nn.ModuleList(adapters) if grouped else adapters[0])
     freeze_base(model)
     remember(model)
-    logger.info("LoRA: %d adapters (rank %d, scale %g, patterns %s)", len(selected), config.rank, config.scale,
-                {field: getattr(config, field) for field in PATTERN_FIELDS})
+    logger.info("LoRA: %d adapters (rank %d, scale %g, patterns %s), trained fully: %s", len(selected), config.rank,
+                config.scale, {field: getattr(config, field) for field in PATTERN_FIELDS}, trained_fully or "none")
     return selected
 
 
 def freeze_base(model: torch.nn.Module) -> None:
-    """Only adapter parameters keep `requires_grad`, so DDP and the optimizer see only them."""
+    """Only adapter parameters and fully trained weights (`trained_fully`) keep `requires_grad`,
+    so DDP and the optimizer see only them."""
     for param in model.parameters():
-        if adapter_info(param) is None:
+        if adapter_info(param) is None and not is_trained_fully(param):
             param.requires_grad_(False)

@@ -32,7 +32,7 @@ import torch
 
 from megatron_lora_patch.errors import UsageError
 
-from . import staging
+from . import staging, trained_fully
 from .adapter import LoraAdapter
 from .metadata import ADAPTER_NAME
 
@@ -141,7 +141,8 @@ def adapters_of(chunks: Iterable[torch.nn.Module]) -> Dict[str, LoraAdapter]:
     return found
 
 
-def _single_model(chunks: Iterable[torch.nn.Module]) -> torch.nn.Module:
+def single_model(chunks: Iterable[torch.nn.Module]) -> torch.nn.Module:
+    """The one model chunk of this rank, unwrapped from DDP / Float16Module (adapter checkpoints take one)."""
     chunks = list(chunks)
     if len(chunks) != 1:
         raise AdapterCheckpointError(
@@ -154,21 +155,23 @@ def _single_model(chunks: Iterable[torch.nn.Module]) -> torch.nn.Module:
 
 
 def adapter_only_sharded_state_dict(chunks: Iterable[torch.nn.Module]) -> Dict[str, Any]:
-    """The model's sharded state dict restricted to adapter entries (base weights left out)."""
-    model = _single_model(chunks)
-    return {key: value for key, value in model.sharded_state_dict().items() if is_adapter_key(key)}
+    """The model's sharded state dict restricted to adapter entries and fully trained weights
+    (`modules_to_save`, described by Megatron itself: vocab-parallel shards); other base weights left out."""
+    model = single_model(chunks)
+    kept = trained_fully.state_keys(model)
+    return {key: value for key, value in model.sharded_state_dict().items() if is_adapter_key(key) or key in kept}
 
 
 def describe(chunks: Iterable[torch.nn.Module]) -> Dict[str, Any]:
     """Plain-data description of the model and its adapters (what an exporter needs besides tensors)."""
-    model = _single_model(chunks)
+    model = single_model(chunks)
     config = model.config
     adapters = list(adapters_of([model]).values())
     if not adapters:
         raise AdapterCheckpointError("the model has no LoRA adapters to save; attach them first (lora_linear patch)")
     return {
         "format": DESCRIPTION_FORMAT,
-        **adapters[0].lora_config.description(),  # rank, alpha, rslora, rank_pattern, alpha_pattern
+        **adapters[0].lora_config.description(),  # rank, alpha, rslora, patterns, modules_to_save
         "targets": sorted({adapter.module_name.rsplit(".", 1)[-1] for adapter in adapters}),
         "layout": LAYOUT,
         "num_layers": config.num_layers,
@@ -178,6 +181,7 @@ def describe(chunks: Iterable[torch.nn.Module]) -> Dict[str, Any]:
         "kv_channels": config.kv_channels,
         "gated_linear_unit": bool(config.gated_linear_unit),
         "num_experts": config.num_moe_experts or 0,
+        "tied_embeddings": bool(getattr(model, "share_embeddings_and_output_weights", False)),
     }
 
 
@@ -266,11 +270,13 @@ def load_adapters(chunks: Iterable[torch.nn.Module], directory: str) -> None:
 
     chunks = list(chunks)
     saved, here = read_description(directory), describe(chunks)
-    for field in ("rank", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "num_experts"):
+    saved.setdefault("modules_to_save", [])  # written before modules_to_save existed
+    for field in ("rank", "modules_to_save", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                  "num_experts"):
         if saved[field] != here[field]:
             raise AdapterCheckpointError(
                 f"{directory}: checkpoint {field}={saved[field]} but this model has {field}={here[field]}; "
-                f"build the model (and MEGATRON_LORA_RANK) as when it was saved"
+                f"build the model (and MEGATRON_LORA_RANK, _MODULES_TO_SAVE) as when it was saved"
             )
     separate = bool(saved.get("separate_projections", False))  # older checkpoints: one A per fused layer
     if separate != here["separate_projections"]:
@@ -280,7 +286,7 @@ def load_adapters(chunks: Iterable[torch.nn.Module], directory: str) -> None:
         )
     sharded = adapter_only_sharded_state_dict(chunks)
     loaded = dist_checkpointing.load(sharded, directory)
-    parameters = dict(_single_model(chunks).named_parameters())
+    parameters = dict(single_model(chunks).named_parameters())
     with torch.no_grad():
         for key in sharded:  # `loaded` also holds the common state (the description)
             parameters[key].copy_(loaded[key])

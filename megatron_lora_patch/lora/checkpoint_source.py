@@ -22,7 +22,7 @@ import torch
 
 from megatron_lora_patch.errors import UsageError
 
-from . import checkpoint
+from . import checkpoint, peft_modules
 
 _OPTIMIZER_PREFIX = "optimizer."
 
@@ -94,18 +94,23 @@ def is_model_adapter_key(key: str) -> bool:
 
 
 def adapter_tensors(directory: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
-    """(description, stacked adapter key -> full logical tensor) of the checkpoint `directory` stands for."""
+    """(description, key -> full logical tensor) of the checkpoint `directory` stands for: the stacked
+    adapter tensors and the fully trained weights its description lists (`modules_to_save`)."""
     from megatron.core import dist_checkpointing
 
     path = resolve(directory)
     with process_group():
+        description = checkpoint.read_description(path)
+        trained_fully = peft_modules.checkpoint_keys(description)
         wanted = {
             key: entry
             for key, entry in dist_checkpointing.load_tensors_metadata(path).items()
-            if is_model_adapter_key(key)
+            if is_model_adapter_key(key) or key in trained_fully
         }
-        if not wanted:
+        if not any(map(is_model_adapter_key, wanted)):
             raise CheckpointSourceError(f"{path} holds no LoRA adapter tensors; export a checkpoint of a LoRA run")
-        description = checkpoint.read_description(path)
+        missing = sorted(set(trained_fully) - set(wanted))
+        if missing:
+            raise CheckpointSourceError(f"{path} lacks the fully trained weight {missing[0]} its description lists")
         loaded = dist_checkpointing.load(wanted, path, validate_access_integrity=False)
     return description, {key: loaded[key] for key in wanted}

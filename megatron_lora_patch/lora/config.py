@@ -28,6 +28,10 @@ a module no entry matches uses `rank` (`alpha`). `MEGATRON_LORA_RSLORA=1` scales
 alpha / sqrt(r) instead of alpha / r (rsLoRA, PEFT's `use_rslora`).
 `MEGATRON_LORA_SEPARATE_PROJECTIONS=1` gives q, k, v (and SwiGLU gate, up) their own A and B, as
 standard PEFT LoRA on separate projections (lora/projections.py).
+
+Modules to train fully (PEFT's `modules_to_save`): `MEGATRON_LORA_MODULES_TO_SAVE='output_layer'`
+names modules, matched like a target entry, whose base weights stay trainable with Megatron's own
+sharding and grad sync (`trained_fully.py` says which modules qualify; tied embeddings are one weight).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ INIT_CHOICES = ("kaiming", "gaussian")
 B_INIT_CHOICES = ("zero", "nonzero")
 SP_INPUT_CHOICES = ("keep", "regather")
 PATTERN_FIELDS = ("rank_pattern", "alpha_pattern")
+#: Canonical names of the modules that may train fully (`modules_to_save`; lora/trained_fully.py says why).
+TRAINABLE_MODULES = ("output_layer", "embedding.word_embeddings")
 
 
 class LoraConfigError(UsageError, ValueError):
@@ -77,6 +83,8 @@ class LoraConfig:
     # separate A and B per q / k / v and per gate / up on Megatron's fused linear_qkv / SwiGLU linear_fc1
     # (standard PEFT LoRA on separate projections; lora/projections.py); False: one A per fused layer
     separate_projections: bool = False
+    # modules whose base weights train fully (PEFT modules_to_save), matched like targets
+    modules_to_save: tuple = ()
 
     def __post_init__(self) -> None:
         for name in PATTERN_FIELDS:  # a mapping, or JSON's list of pairs, as a tuple of pairs in order
@@ -110,13 +118,16 @@ class LoraConfig:
             "rank_pattern": [list(pair) for pair in self.rank_pattern],
             "alpha_pattern": [list(pair) for pair in self.alpha_pattern],
             "separate_projections": self.separate_projections,
+            "modules_to_save": list(self.modules_to_save),
         }
 
     @classmethod
     def from_description(cls, description: Mapping[str, Any]) -> "LoraConfig":
-        """The rank / alpha settings of a checkpoint description (older ones have no rsLoRA or patterns)."""
+        """The rank / alpha settings, layout and fully trained modules of a checkpoint description (older
+        ones have no rsLoRA, patterns, separate projections or modules to save)."""
         keys = ("rank", "alpha", "rslora", "rank_pattern", "alpha_pattern", "separate_projections")
-        return cls(**{key: description[key] for key in keys if key in description})
+        values = {key: description[key] for key in keys if key in description}
+        return cls(**values, modules_to_save=tuple(description.get("modules_to_save", ())))
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "LoraConfig":
@@ -263,6 +274,12 @@ def _names(value: Any, allow_empty: bool) -> bool:
     )
 
 
+_OPTIONAL_NAMES = (
+    "a comma-separated list of module names or glob patterns",
+    lambda text: _split_names(text) if text.strip() else (),
+    lambda v: _names(v, allow_empty=True),
+)
+
 # field -> (requirement sentence, string parser, typed-value check)
 _RULES: dict = {
     "rank": ("a positive integer", int, _positive_int),
@@ -273,11 +290,7 @@ _RULES: dict = {
         _split_names,
         lambda v: _names(v, allow_empty=False),
     ),
-    "exclude": (
-        "a comma-separated list of module names or glob patterns",
-        lambda text: _split_names(text) if text.strip() else (),
-        lambda v: _names(v, allow_empty=True),
-    ),
+    "exclude": _OPTIONAL_NAMES,
     "init": ("one of " + ", ".join(INIT_CHOICES), str.strip, lambda v: v in INIT_CHOICES),
     "b_init": ("one of " + ", ".join(B_INIT_CHOICES), str.strip, lambda v: v in B_INIT_CHOICES),
     "seed": ("a non-negative integer", int, _non_negative_int),
@@ -298,6 +311,13 @@ _RULES: dict = {
         "one of " + ACCEPTED_BOOLEANS,
         lambda text: parse_bool("separate_projections", text),
         lambda v: isinstance(v, bool),
+    ),
+    "modules_to_save": (
+        "a comma-separated list of modules to train fully, each matching one of " + ", ".join(TRAINABLE_MODULES)
+        + " (a last name such as output_layer or word_embeddings, or a glob)",
+        _OPTIONAL_NAMES[1],
+        lambda v: _names(v, allow_empty=True)
+        and all(any(module_matches(name, (entry,)) for name in TRAINABLE_MODULES) for entry in v),
     ),
 }
 

@@ -26,6 +26,8 @@ setting than the model's adapters, DoRA / biases), naming the module.
 `adapter_config.json` holds only PEFT's own fields (peft warns about any other key); this
 package's metadata (the model family) sits beside it in `megatron_lora_patch.json`.
 Expert adapters (MoE families) go to PEFT's `target_parameters` layout: lora/peft_experts.py.
+Fully trained modules (`modules_to_save`: `lm_head`, `embed_tokens`) are written and read by
+`peft_modules`.
 """
 
 from __future__ import annotations
@@ -40,14 +42,14 @@ import torch
 
 from megatron_lora_patch.errors import UsageError
 
-from . import layouts, projections
+from . import layouts, peft_modules, projections
 from .config import LoraConfig
+from .peft_modules import PEFT_PREFIX
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
 METADATA_NAME = "megatron_lora_patch.json"  # our own fields, kept out of PEFT's config
 LEGACY_METADATA_KEY = "megatron_lora_patch"  # where versions up to 0.x embedded them in the PEFT config
-PEFT_PREFIX = "base_model.model."
 
 Logical = Dict[str, Tuple[torch.Tensor, torch.Tensor]]  # canonical module name -> (A, B)
 
@@ -131,13 +133,18 @@ def _parse(name: str) -> Tuple[int, str]:
     return int(match.group(1)), match.group(2)
 
 
-def to_peft(logical: Logical, description: dict, family: str = "llama") -> Tuple[Dict[str, torch.Tensor], dict]:
-    """PEFT tensors (sorted by name, contiguous) and adapter config (PEFT fields only) for the logical adapters."""
+def to_peft(
+    logical: Logical, description: dict, family: str = "llama", full: Optional[Dict[str, torch.Tensor]] = None
+) -> Tuple[Dict[str, torch.Tensor], dict]:
+    """PEFT tensors (sorted by name, contiguous) and adapter config (PEFT fields only) for the logical
+    adapters and the fully trained weights `full` (canonical module name -> logical weight)."""
     from . import peft_experts  # it builds on this module
 
     settings = LoraConfig.from_description(description)
     expert_logical = {name: pair for name, pair in logical.items() if peft_experts.is_expert(name)}
     tensors, expert_settings = peft_experts.to_peft(expert_logical, description, family)
+    full_tensors, trained_fully = peft_modules.to_peft(full or {}, description)
+    tensors.update(full_tensors)
     dense = {name: pair for name, pair in logical.items() if name not in expert_logical}
     ranks: Dict[str, int] = {}
     alphas: Dict[str, float] = {}
@@ -157,6 +164,7 @@ def to_peft(logical: Logical, description: dict, family: str = "llama") -> Tuple
         "fan_in_fan_out": False,
         "use_rslora": settings.rslora,
         "use_dora": False,
+        **trained_fully,  # modules_to_save, ensure_weight_tying
         "inference_mode": True,
         "base_model_name_or_path": None,
     }
@@ -175,7 +183,7 @@ def _dense_to_peft(
     for name, (lora_a, lora_b) in logical.items():
         layer, module = _parse(name)
         projections = _projections(module, names, description["gated_linear_unit"])
-        for projection, (part_a, part_b) in zip(projections, _split(lora_a, _split_b(module, lora_b, description), description)):
+        for projection, (part_a, part_b) in zip(projections, projections.per_projection(lora_a, _split_b(module, lora_b, description), description)):
             path = f"{names.layers}.{layer}.{projection}"
             # A copy per projection: PEFT has one A per module, safetensors refuses shared storage.
             tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"] = part_a.clone().contiguous()
@@ -186,14 +194,6 @@ def _dense_to_peft(
     # Short names adapt every layer in PEFT; list full paths when some layers have no adapter.
     complete = all(layers == every_layer for layers in layer_modules.values())
     return sorted({_short(path) for path in ranks} if complete else set(ranks))
-
-
-def _split(lora_a: torch.Tensor, b_parts: List[torch.Tensor], description: dict) -> list:
-    """(A, B) per PEFT projection: the stacked A's and B's blocks for separate projections
-    (lora/projections.py), else the one shared A with each B part."""
-    if description.get("separate_projections") and len(b_parts) > 1:
-        return projections.split_blocks(lora_a, b_parts, len(b_parts))
-    return [(lora_a, part) for part in b_parts]
 
 
 def _short(path: str) -> str:

@@ -3,9 +3,9 @@
 `export_peft(checkpoint_dir, out_dir)` needs no model and no world: it reads the adapter
 tensors of a checkpoint the plugin wrote (adapter-only or Megatron-LM's, any topology;
 Megatron's loader returns the full logical tensors, stacked over layers and experts) and
-writes the PEFT files.
+the fully trained weights (`modules_to_save`), and writes the PEFT files.
 `import_peft(chunks, peft_dir)` runs on every rank of any topology and copies each
-rank's slice of the logical adapters into its parameters.
+rank's slice of the logical adapters and fully trained weights into its parameters.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Dict, Iterable, Tuple
 
 import torch
 
-from . import checkpoint, checkpoint_source, peft, staging
+from . import checkpoint, checkpoint_source, peft, peft_modules, staging, trained_fully
 from .adapter import LoraAdapter
 from .layouts import shard
 
@@ -25,10 +25,13 @@ _STACKED_KEY = re.compile(r"^decoder\.layers\.(?P<module>.+?)\.lora\.(?P<factor>
 _EXPERTS_KEY = "mlp.experts.experts."
 
 
-def logical_from_checkpoint(directory: str) -> Tuple[dict, peft.Logical]:
-    """(description, canonical module name -> logical (A, B)) of a checkpoint with adapters
-    (adapter-only, a Megatron-LM iteration or `--save` directory; see `checkpoint_source`)."""
+def logical_from_checkpoint(directory: str) -> Tuple[dict, peft.Logical, Dict[str, torch.Tensor]]:
+    """(description, canonical module name -> logical (A, B), canonical module name -> fully trained
+    logical weight) of a checkpoint with adapters (adapter-only, a Megatron-LM iteration or `--save`
+    directory; see `checkpoint_source`)."""
     description, plain = checkpoint_source.adapter_tensors(directory)
+    full_keys = peft_modules.checkpoint_keys(description)
+    full = {full_keys[key]: plain.pop(key) for key in list(plain) if key in full_keys}
     factors: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, tensor in plain.items():
         match = _STACKED_KEY.match(key)
@@ -43,7 +46,7 @@ def logical_from_checkpoint(directory: str) -> Tuple[dict, peft.Logical]:
                     factors.setdefault(name, {})[factor] = value.clone()
             else:
                 factors.setdefault(f"decoder.layers.{layer}.{module}", {})[factor] = per_layer.clone()
-    return description, {name: (pair["A"], pair["B"]) for name, pair in sorted(factors.items())}
+    return description, {name: (pair["A"], pair["B"]) for name, pair in sorted(factors.items())}, full
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +85,8 @@ def export_peft(
     staging.check_target(out_dir, names.out, names.overwrite, overwrite)
     _check_apart(checkpoint_dir, out_dir, names)
     with staging.staged(out_dir, names.out) as partial:
-        description, logical = logical_from_checkpoint(checkpoint_dir)
-        tensors, config = peft.to_peft(logical, description, family)
+        description, logical, full = logical_from_checkpoint(checkpoint_dir)
+        tensors, config = peft.to_peft(logical, description, family, full)
         peft.write(partial, tensors, config, family)
     return tensors
 
@@ -133,14 +136,33 @@ def load_logical(chunks: Iterable[torch.nn.Module], logical: peft.Logical) -> No
             adapter.B.copy_(local_b)
 
 
+def load_trained_fully(model: torch.nn.Module, full: Dict[str, torch.Tensor], where: str) -> None:
+    """Copy this rank's vocabulary rows of each logical fully trained weight (`full`: canonical module
+    name -> weight) into the (unwrapped) model, sharded over each module's own TP group."""
+    from megatron.core.utils import get_pg_rank, get_pg_size
+
+    with torch.no_grad():
+        for module, name in trained_fully.trained_weights(model):
+            weight, world = full[name], get_pg_size(module.tp_group)
+            want = (world * module.weight.shape[0], module.weight.shape[1])
+            if tuple(weight.shape) != want:
+                raise peft.PeftFormatError(
+                    f"{where}: Megatron {name} needs a weight {want}, the adapter gives {tuple(weight.shape)}"
+                )
+            module.weight.copy_(shard(weight, 0, get_pg_rank(module.tp_group), world))
+
+
 def import_peft(chunks: Iterable[torch.nn.Module], peft_dir: str) -> None:
-    """Load a PEFT LoRA adapter into this rank's adapters (collective over the world: call on every rank)."""
+    """Load a PEFT LoRA adapter (with its `modules_to_save` weights) into this rank's adapters and fully
+    trained weights (collective over the world: call on every rank)."""
     chunks = list(chunks)
     description = checkpoint.describe(chunks)
     local = checkpoint.adapters_of(chunks)
     tensors, config, family = peft.read(peft_dir)
+    tensors, full = peft_modules.split(tensors, config, description, peft_dir, peft.PeftFormatError)
     logical = peft.from_peft(tensors, config, description, _all_adapter_names(local), where=peft_dir, family=family)
     peft.check_shapes(
         {name: logical[name] for name in local}, {name: _logical_shapes(a) for name, a in local.items()}, peft_dir
     )
     load_logical(chunks, logical)
+    load_trained_fully(checkpoint.single_model(chunks), full, peft_dir)

@@ -42,6 +42,14 @@ def block_mask(rows: torch.Tensor, rank: int) -> torch.Tensor:
     return (columns.unsqueeze(0) == rows.unsqueeze(1)).to(torch.float32)
 
 
+def per_projection(lora_a: torch.Tensor, b_parts: list, description: dict) -> list:
+    """(A, B) per PEFT projection of a fused layer's export: each projection's own A rows and B block
+    when its adapters are separate, else the one shared A with each projection's rows of B."""
+    if description.get("separate_projections") and len(b_parts) > 1:
+        return split_blocks(lora_a, b_parts, len(b_parts))
+    return [(lora_a, part) for part in b_parts]
+
+
 def split_blocks(lora_a: torch.Tensor, parts: list, blocks: int) -> list:
     """[(A_j, B_j)] of each projection from the stacked A and the per-projection row blocks of B."""
     rank = lora_a.shape[0] // blocks

@@ -61,6 +61,7 @@ class OracleSettings:
     lora_alpha: float = 8.0
     # More LoraConfig fields as (name, value) pairs, e.g. (("rslora", True), ("rank_pattern", {...}))
     lora_options: tuple = ()
+    tie_embeddings: bool = False  # the dense / MoE model with tied embedding and output weights
     timeout_s: float = 600.0
 
     def threshold(self, phase: str, step: int) -> Optional[float]:
@@ -86,6 +87,7 @@ def model_for(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
         spec = HYBRID
     else:
         spec = MOE if settings.model == "moe" or (settings.model == "auto" and expert_parallel) else DENSE
+    spec = spec.replace(tie_embeddings=True) if settings.tie_embeddings else spec
     return spec.replace(dtype="bfloat16") if settings.dtype == "bf16" else spec
 
 
@@ -258,23 +260,26 @@ def run_oracle(
         raise OracleError("--tp-invariant runs without mutations: they re-introduce bugs the invariant mode bypasses")
     runs = [(Topology.parse(spec), None) for spec in topologies]
     runs += [(Topology.parse(mutation.topology), mutation) for mutation in mutations]
-    jobs = [make_job(topology, dataclasses.replace(settings, model=m.model) if m else settings, m) for topology, m in runs]
+    run_settings = [mutation_settings(settings, m) for _, m in runs]
+    jobs = [make_job(topology, s, m) for (topology, m), s in zip(runs, run_settings)]
     report = OracleReport(settings=_describe(settings))
-    references = {
-        job.spec: make_job(Topology.parse(REFERENCE), settings_for(job.spec, settings)) for job in jobs
+    references = {  # one world-1 reference per model and LoRA options
+        _reference_key(job, s): make_job(Topology.parse(REFERENCE), settings_for(job.spec, s))
+        for job, s in zip(jobs, run_settings)
     }
     outcomes = _run_isolated(list(references.values()), settings.timeout_s, rank_warnings)
     expected = {}
-    for spec, (records, error) in zip(references, outcomes):
+    for key, (records, error) in zip(references, outcomes):
+        spec = key[0]
         if error:
             report.reference_error = f"the world-1 reference run of the {model_name(spec)} model failed:\n{error}"
             report.wall_s = time.monotonic() - started
             return report
         shapes = adapter_shapes(records)
-        expected[spec] = (shapes, canonical_phases(records, spec, shapes), routing_maps(records))
+        expected[key] = (shapes, canonical_phases(records, spec, shapes), routing_maps(records))
     outcomes = _run_isolated(jobs, settings.timeout_s, rank_warnings)
-    for (topology, mutation), job, (records, error) in zip(runs, jobs, outcomes):
-        phases, routing, error = _judge(job, records, error, expected[job.spec], settings)
+    for (topology, mutation), job, s, (records, error) in zip(runs, jobs, run_settings, outcomes):
+        phases, routing, error = _judge(job, records, error, expected[_reference_key(job, s)], settings)
         note = ""
         if routing and not limits.routing_must_match(settings.dtype, settings.tp_invariant):
             where = routing.split(": ", 1)[-1]
@@ -321,6 +326,19 @@ def describe_model(spec: TinyGPTSpec) -> str:
         f"{spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_attention_heads} heads / "
         f"{spec.num_query_groups} query groups{experts}, seq {spec.seq_length}"
     )
+
+
+def mutation_settings(settings: OracleSettings, mutation: Optional[Mutation]) -> OracleSettings:
+    """What a mutation runs (and is referenced) under: its model, plus the LoRA options its bug needs."""
+    if mutation is None:
+        return settings
+    options = settings.lora_options + tuple(mutation.options.items())
+    return dataclasses.replace(settings, model=mutation.model, lora_options=options)
+
+
+def _reference_key(job: Job, settings: OracleSettings) -> tuple:
+    """Runs of one model and LoRA options share a world-1 reference (options may hold dicts: keyed by repr)."""
+    return job.spec, repr(settings.lora_options)
 
 
 def settings_for(spec: TinyGPTSpec, settings: OracleSettings) -> OracleSettings:

@@ -305,3 +305,29 @@ def finalize_with_dp_only_token_count(model, num_tokens=None, *args, **kwargs):
 
     group = parallel_state.get_data_parallel_group(with_context_parallel=False)
     return _finalize_dividing_by(group, model, num_tokens, args, kwargs)
+
+
+def finalize_with_local_trained_fully_grads(model, num_tokens=None, *args, **kwargs):
+    """finalize_model_grads_func after which the fully trained weights (`modules_to_save`) keep their own
+    DP rank's grad, scaled by 1/num_tokens but never summed over DP (a weight trained outside DDP's buffers)."""
+    from megatron.core import distributed
+
+    from megatron_lora_patch.lora.trained_fully import is_trained_fully
+
+    local = [(param, param.main_grad.clone()) for chunk in model for param in chunk.parameters() if is_trained_fully(param)]
+    result = distributed.finalize_model_grads(model, num_tokens, *args, **kwargs)  # all-reduces num_tokens in place
+    for param, grad in local:
+        param.main_grad.copy_(grad if num_tokens is None else grad / num_tokens.clamp(min=1))
+    return result
+
+
+def _no_word_embedding_grad_all_reduce(*args, **kwargs) -> None:
+    """The tied embedding's grads stay per stage: the first stage's embedding and the last stage's copy drift."""
+
+
+def skip_tied_embedding_grad_sync(patcher: Patcher) -> None:
+    """Megatron's all-reduce of the tied word-embedding grads over first and last stage never runs."""
+    import importlib
+
+    module = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the package attr is the function
+    patcher.replace(module, "_allreduce_word_embedding_grads", _no_word_embedding_grad_all_reduce)

@@ -9,6 +9,8 @@ A mutation changes a run in up to four ways, all applied in every rank of the jo
   must be a module-level function (jobs are pickled to spawned ranks).
 - `settings`: overrides of `testbed.driver.TrainSettings` fields.
 - `lora`: overrides of `lora.config.LoraConfig` fields.
+- `options`: `LoraConfig` fields of the feature whose bug it re-introduces (e.g. `modules_to_save`);
+  unlike `lora`, its world-1 reference runs with them too.
 - `patches`: on/off overrides of `lora_correct` patches (e.g. a patch left out).
 
 Each install bends exactly one invariant of docs/architecture.md section 4 or 5, at the place
@@ -26,6 +28,7 @@ from megatron_lora_patch.proof.oracle.known_bugs import (
     ddp_average_on_top,
     expert_grads_over_dense_dp,
     finalize_with_dp_only_token_count,
+    finalize_with_local_trained_fully_grads,
     finalize_with_rank_local_token_count,
     full_output_on_partial_sum_expert_path,
     grad_norm_metadata_on_replicated,
@@ -50,6 +53,7 @@ class Mutation:
     install: Optional[Callable[[Patcher], None]] = None
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     lora: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     patches: Mapping[str, bool] = dataclasses.field(default_factory=dict)
 
 
@@ -171,6 +175,14 @@ _ALL = (
         "own chunk's count when CP > 1 (seed 002, NMFW-17 CP review).",
         "cp2",
         settings={"finalize_model_grads_func": finalize_with_dp_only_token_count},
+    ),
+    Mutation(
+        "trained_fully_outside_dp_sync",
+        "A fully trained weight (modules_to_save: the output layer) keeps its own DP rank's grad, never summed "
+        "over DP, as when it is trained outside DDP's grad buffers (each DP rank then steps differently).",
+        "dp2",
+        settings={"finalize_model_grads_func": finalize_with_local_trained_fully_grads},
+        options={"modules_to_save": ("output_layer",)},
     ),
 )
 
