@@ -47,7 +47,6 @@ class LoraAdapter(torch.nn.Module):
         projection_rows: Optional[torch.Tensor] = None,
     ) -> None:
         super().__init__()
-        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
         from megatron.core.utils import get_pg_rank, get_pg_size
 
         if parallel_mode not in ("column", "row"):
@@ -80,7 +79,14 @@ class LoraAdapter(torch.nn.Module):
             mask = shard(block_mask(projection_rows, self.rank), 0, tp_rank, tp_world, out_stride).to(self.B)
         self.register_buffer("block_mask", mask, persistent=False)
 
-        self.is_expert = is_expert = bool(layer.is_expert)
+        self.is_expert = bool(layer.is_expert)
+        self._tag_factors(module_name, out_stride)
+
+    def _tag_factors(self, module_name: str, out_stride: int) -> None:
+        """Adapter metadata (finalize, grad norm) and Megatron's TP attributes on A and B."""
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        is_expert, parallel_mode = self.is_expert, self.parallel_mode
         sharded_factor, sharded_dim = ("B", 0) if parallel_mode == "column" else ("A", 1)
         for factor, param in (("A", self.A), ("B", self.B)):
             replicated = factor != sharded_factor

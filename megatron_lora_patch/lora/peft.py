@@ -12,22 +12,17 @@ onto this rank's adapters (any topology). Conversion, per transformer layer i:
 | mlp.linear_fc1 (SwiGLU)    | mlp.gate_proj, up_proj                      | B rows [gate; up] split; A copied |
 | mlp.linear_fc2             | mlp.down_proj                               | as is                         |
 
-With `separate_projections` (lora/projections.py) a fused module's A is the projections' A's
-stacked and its B a block matrix: each projection gets its own A rows and its B block, and an
-adapter whose q / k / v (gate / up) A's differ imports.
-
+With `separate_projections` each projection gets its own A rows and B block (lora/projections.py).
 PEFT's scaling `lora_alpha / r` (`lora_alpha / sqrt(r)` with `use_rslora`) is the adapter's
 `s`; per-module ranks and alphas travel as PEFT's `rank_pattern` / `alpha_pattern` (keys are
 regexes matched against the end of a module path, the first matching key wins): export writes a
 projection name (`gate_proj`) when every layer shares the value, else full module paths.
-Import refuses what a fused Megatron adapter cannot express (different A, r or alpha for
-q/k/v or gate/up, other shapes, missing or unknown modules, another r, alpha or rsLoRA
-setting than the model's adapters, DoRA / biases), naming the module.
+Import refuses, naming the module, what the model's adapters cannot express (different A's
+on a shared-A fused layer, other shapes, missing or unknown modules, another r, alpha or rsLoRA, DoRA, biases).
 `adapter_config.json` holds only PEFT's own fields (peft warns about any other key); this
 package's metadata (the model family) sits beside it in `megatron_lora_patch.json`.
-Expert adapters (MoE families) go to PEFT's `target_parameters` layout: lora/peft_experts.py.
-Fully trained modules (`modules_to_save`: `lm_head`, `embed_tokens`) are written and read by
-`peft_modules`.
+Expert adapters (MoE families): PEFT's `target_parameters` layout (lora/peft_experts.py); fully
+trained modules (`modules_to_save`: `lm_head`, `embed_tokens`): lora/peft_modules.py.
 """
 
 from __future__ import annotations
@@ -256,30 +251,36 @@ def from_peft(
         if key not in known | expert_keys:
             raise PeftFormatError(f"{where}: {key} is not a module this model adapts (unsupported or not targeted)")
     for name, (module, paths) in layer_paths.items():
-        a_parts, b_parts = [], []
-        for path in paths:
-            for factor, parts in (("A", a_parts), ("B", b_parts)):
-                key = f"{PEFT_PREFIX}{path}.lora_{factor}.weight"
-                if key not in tensors:
-                    raise PeftFormatError(f"{where}: missing {key} (needed for Megatron {name})")
-                parts.append(tensors[key])
-        check_scaling(config, description, name, paths, where)
-        separate = description.get("separate_projections") and len(paths) > 1
-        for path, a in zip(paths[1:], a_parts[1:]):
-            if a.shape != a_parts[0].shape or not (separate or torch.equal(a, a_parts[0])):
-                raise PeftFormatError(
-                    f"{where}: {path} has a different lora_A than {paths[0]}; the fused Megatron {name} "
-                    "has one A for all its projections unless built with MEGATRON_LORA_SEPARATE_PROJECTIONS=1"
-                )
-        if separate:
-            stacked, b_parts = projections.join_blocks(a_parts, b_parts)
-            a_parts = [stacked]
-        try:
-            lora_b = _join_b(module, b_parts, description)
-        except (RuntimeError, ValueError):
-            raise PeftFormatError(f"{where}: lora_B shapes {[tuple(b.shape) for b in b_parts]} of {paths} do not fit Megatron {name}") from None
-        logical[name] = (a_parts[0], lora_b)
+        logical[name] = _dense_from_peft(tensors, config, description, name, module, paths, where)
     return logical
+
+
+def _dense_from_peft(tensors: Dict[str, torch.Tensor], config: dict, description: dict, name: str, module: str,
+                     paths: List[str], where: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The logical (A, B) of one non-expert Megatron module from its PEFT projections `paths`."""
+    a_parts, b_parts = [], []
+    for path in paths:
+        for factor, parts in (("A", a_parts), ("B", b_parts)):
+            key = f"{PEFT_PREFIX}{path}.lora_{factor}.weight"
+            if key not in tensors:
+                raise PeftFormatError(f"{where}: missing {key} (needed for Megatron {name})")
+            parts.append(tensors[key])
+    check_scaling(config, description, name, paths, where)
+    separate = description.get("separate_projections") and len(paths) > 1
+    for path, a in zip(paths[1:], a_parts[1:]):
+        if a.shape != a_parts[0].shape or not (separate or torch.equal(a, a_parts[0])):
+            raise PeftFormatError(
+                f"{where}: {path} has a different lora_A than {paths[0]}; the fused Megatron {name} "
+                "has one A for all its projections unless built with MEGATRON_LORA_SEPARATE_PROJECTIONS=1"
+            )
+    if separate:
+        stacked, b_parts = projections.join_blocks(a_parts, b_parts)
+        a_parts = [stacked]
+    try:
+        lora_b = _join_b(module, b_parts, description)
+    except (RuntimeError, ValueError):
+        raise PeftFormatError(f"{where}: lora_B shapes {[tuple(b.shape) for b in b_parts]} of {paths} do not fit Megatron {name}") from None
+    return a_parts[0], lora_b
 
 
 def _check_config(config: dict, description: dict, where: str) -> None:
