@@ -177,8 +177,8 @@ def _dense_to_peft(
     layer_modules: Dict[str, set] = {}
     for name, (lora_a, lora_b) in logical.items():
         layer, module = _parse(name)
-        projections = _projections(module, names, description["gated_linear_unit"])
-        for projection, (part_a, part_b) in zip(projections, projections.per_projection(lora_a, _split_b(module, lora_b, description), description)):
+        pairs = projections.per_projection(lora_a, _split_b(module, lora_b, description), description)
+        for projection, (part_a, part_b) in zip(_projections(module, names, description["gated_linear_unit"]), pairs):
             path = f"{names.layers}.{layer}.{projection}"
             # A copy per projection: PEFT has one A per module, safetensors refuses shared storage.
             tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"] = part_a.clone().contiguous()
