@@ -8,8 +8,9 @@ base of the installed Megatron-Core:
 - `vocab_size` is N + 1 and `eod` is N (EOD sits after the N ordinary ids);
 - `tokenize` reads space-separated integers, `detokenize` writes them back, `offsets` gives
   each id's start in that text;
-- `cls`, `sep`, `mask` are -1, `additional_special_tokens_ids` is None, `vocab` and
-  `inv_vocab` raise NotImplementedError.
+- `cls`, `sep`, `mask` are -1, `additional_special_tokens_ids` is None. Megatron-LM's `vocab` and
+  `inv_vocab` raise NotImplementedError; here they are the mapping `tokenize` / `detokenize` apply
+  (each id's decimal text <-> the id, EOD included), which no test depends on.
 `install_training_module` makes one of the doubles importable as
 `megatron.training.tokenizer.tokenizer._NullTokenizer` (megatron is a namespace package),
 so the patch's real post-import hook runs on it. From Megatron-Core 0.17 the legacy base is gone
@@ -65,11 +66,11 @@ class _NullTokenizer(MegatronLegacyTokenizer):
 
     @property
     def vocab(self):
-        raise NotImplementedError
+        return {str(token): token for token in range(self.vocab_size)}
 
     @property
     def inv_vocab(self):
-        raise NotImplementedError
+        return {token: text for text, token in self.vocab.items()}
 
     @property
     def cls(self):
