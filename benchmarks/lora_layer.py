@@ -23,7 +23,8 @@ too, as ratios only: on a loaded 2-core machine they are noisy. Per repetition e
 takes the slowest rank's time (the step's cost in a synchronous world). Reported: median
 step time of each variant and the median, min and max of the per-repetition ratio
 LoRA / frozen, next to the FLOP ratio that `torch.utils.flop_counter.FlopCounterMode`
-counts for the same steps on each rank (max over ranks; the ranks are symmetric). At TP 2
+counts for the same steps on each rank (max over ranks; the ranks are symmetric; the in-place
+`addmm_` counted like `addmm`). At TP 2
 it differs from TP 1's: A of the column layer and B of the row layer are replicated
 (docs/architecture.md section 4), so their GEMMs do not shrink with the base's shards.
 Goal (issue 17): ratio <= 1 + 2 x (LoRA FLOPs / frozen FLOPs - 1).
@@ -80,10 +81,19 @@ def step(pair: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad = None
 
 
+def _count_in_place_addmm() -> None:
+    """FlopCounterMode counts `addmm` but not the in-place `addmm_` the LoRA epilogues use: same FLOPs."""
+    from torch.utils import flop_counter
+
+    registry = flop_counter.flop_registry
+    registry.setdefault(torch.ops.aten.addmm_, registry[torch.ops.aten.addmm])
+
+
 def measure(pairs: dict, x: torch.Tensor, grad: torch.Tensor, reps: int) -> dict:
     """On one rank: per variant, the clocks of every repetition (ABBA; repetition 0 warms up) and the FLOPs."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    _count_in_place_addmm()
     flops = {}
     for name, pair in pairs.items():
         with FlopCounterMode(display=False) as counter:

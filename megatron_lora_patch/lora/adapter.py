@@ -12,18 +12,16 @@ term rides the base layer's one collective is `lora.linear`'s job.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from .config import LoraConfig
 from .init import logical_factors
 from .layouts import shard
-from .linear import add_up_projection
+from .kernels import add_up_projection, down_projection, regather_down_projection
 from .metadata import AdapterParamInfo, tag
 from .projections import block_mask
-
 
 
 class LoraAdapter(torch.nn.Module):
@@ -150,83 +148,42 @@ class LoraAdapter(torch.nn.Module):
         with tracker.fork(get_expert_parallel_rng_tracker_name()) if self.is_expert else tracker.fork():
             return _keep_mask(local_input, self.dropout)
 
-    def column_term(self, total_input: torch.Tensor, local_input: Optional[torch.Tensor],
-                    base_output: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """`s * dropout(x) A^T B_shard^T` on the (gathered / copied) input of the base matmul,
-        added to `base_output` in the up-projection's GEMM when given (`add_up_projection`).
+    def column_down(self, total_input: torch.Tensor, local_input: Optional[torch.Tensor] = None,
+                    fuse_dgrad: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(the input the base matmul consumes, `h = dropout(x) A^T`) on the (gathered / copied)
+        input of the base matmul (`kernels.down_projection`; `fuse_dgrad`: the base's input grad
+        then receives the LoRA input grad in place).
 
-        With `local_input` given (sequence parallel, `sp_input="regather"`), backward
-        keeps only that local shard and all-gathers it again for dA.
+        With `local_input` given (sequence parallel, `sp_input="regather"`), backward keeps only
+        that local shard and all-gathers it again for dA.
         """
         mask = self.column_mask(total_input)
         if local_input is None:
-            hidden = _DownProjection.apply(_apply_mask(total_input, mask, self.dropout), self.A)
-        else:
-            hidden = _DownProjectionRegather.apply(total_input, self.A, local_input, mask, self.dropout, self.tp_group)
-        return add_up_projection(base_output, hidden * self.scale, self.up_weight())
+            return down_projection(total_input, self.A, mask, self.dropout, fuse_dgrad)
+        return total_input, regather_down_projection(total_input, self.A, local_input, mask, self.dropout,
+                                                     self.tp_group)
+
+    def row_down(self, local_input: torch.Tensor, fuse_dgrad: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(the input the base matmul consumes, `h = dropout(x_shard) A_shard^T`): this rank's
+        partial of the rank-r hidden, as in `column_down`."""
+        return down_projection(local_input, self.A, self.row_mask(local_input), self.dropout, fuse_dgrad)
+
+    def up(self, hidden: torch.Tensor, base_output: Optional[torch.Tensor] = None,
+           in_place: bool = False) -> torch.Tensor:
+        """`base_output + s * h B^T` in one GEMM (`kernels.add_up_projection`; `in_place`: the
+        caller owns `base_output`, a fresh output of the base matmul)."""
+        return add_up_projection(base_output, hidden, self.up_weight(), self.scale, in_place)
+
+    def column_term(self, total_input: torch.Tensor, local_input: Optional[torch.Tensor],
+                    base_output: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`s * dropout(x) A^T B_shard^T` (plus `base_output` when given, out of place)."""
+        return self.up(self.column_down(total_input, local_input)[1], base_output)
 
     def row_term(self, local_input: torch.Tensor, base_output: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`s * dropout(x_shard) A_shard^T B^T`: this rank's partial sum of the LoRA output
-        (plus `base_output` when given, fused as in `column_term`)."""
-        dropped = _apply_mask(local_input, self.row_mask(local_input), self.dropout)
-        return add_up_projection(base_output, _DownProjection.apply(dropped, self.A) * self.scale, self.up_weight())
+        (plus `base_output` when given, out of place)."""
+        return self.up(self.row_down(local_input)[1], base_output)
 
 
 def _keep_mask(activation: torch.Tensor, dropout: float) -> torch.Tensor:
     return torch.empty_like(activation, dtype=torch.bool).bernoulli_(1.0 - dropout)
-
-
-def _apply_mask(activation: torch.Tensor, mask: Optional[torch.Tensor], dropout: float) -> torch.Tensor:
-    """Inverted dropout with a given keep-mask (None: no dropout)."""
-    return activation if mask is None else activation * mask / (1.0 - dropout)
-
-
-class _DownProjection(torch.autograd.Function):
-    """`h = x A^T` whose input grad is a fresh tensor, not a view.
-
-    Why: x also feeds the base matmul, so autograd sums two input grads. It adds the second
-    into the first in place only if the first owns its storage alone; `F.linear`'s generated
-    backward hands x a view (reshape of a 2-D grad), which forces an out-of-place add: one more
-    input-sized tensor per layer in backward.
-    """
-
-    @staticmethod
-    def forward(ctx, x, lora_a):
-        ctx.save_for_backward(x, lora_a)
-        return torch.matmul(x, lora_a.t())
-
-    @staticmethod
-    def backward(ctx, grad_hidden):
-        x, lora_a = ctx.saved_tensors
-        grad_x = torch.matmul(grad_hidden, lora_a) if ctx.needs_input_grad[0] else None
-        grad_a = None
-        if ctx.needs_input_grad[1]:
-            grad_a = grad_hidden.reshape(-1, grad_hidden.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
-        return grad_x, grad_a
-
-
-class _DownProjectionRegather(torch.autograd.Function):
-    """`h = dropout(total) A^T` saving the local sequence shard instead of `total`.
-
-    Backward: the input grad goes to `total` (so it joins the base's grad in the one
-    reduce-scatter of `gather_from_sequence_parallel_region`), and dA re-gathers the
-    local shard with Megatron's `_gather_along_first_dim`: one extra all-gather, the
-    same trade as Megatron's trainable-weight linear.
-    """
-
-    @staticmethod
-    def forward(ctx, total, lora_a, local, mask, dropout, group):
-        ctx.save_for_backward(local, lora_a, mask)
-        ctx.dropout, ctx.group = dropout, group
-        return F.linear(_apply_mask(total, mask, dropout), lora_a)
-
-    @staticmethod
-    def backward(ctx, grad_hidden):
-        from megatron.core.tensor_parallel.mappings import _gather_along_first_dim
-
-        local, lora_a, mask = ctx.saved_tensors
-        total = _gather_along_first_dim(local, ctx.group)
-        total = _apply_mask(total, mask, ctx.dropout)
-        grad_total = _apply_mask(grad_hidden.matmul(lora_a), mask, ctx.dropout)
-        grad_a = grad_hidden.reshape(-1, grad_hidden.shape[-1]).t().matmul(total.reshape(-1, total.shape[-1]))
-        return grad_total, grad_a, None, None, None, None

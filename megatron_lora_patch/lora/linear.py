@@ -27,8 +27,6 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
-import torch
-
 from .metadata import ADAPTER_NAME
 
 if TYPE_CHECKING:  # the adapter (and its config / init) loads with the first model, not with the patch
@@ -78,7 +76,12 @@ def _call_arguments(function: Callable, args: tuple, kwargs: dict) -> dict:
 
 
 def linear_call(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """wrapt wrapper of Megatron's linear functions: base output plus the LoRA term (one fused GEMM)."""
+    """wrapt wrapper of Megatron's linear functions: base output plus the LoRA term.
+
+    The base matmul consumes the down-projection's first output (its input grad then takes the
+    LoRA input grad in place) and the up-projection adds into the base output in place: the
+    output is the fresh result of Megatron's linear function, which saves only its input and
+    weight (autograd would raise, not mis-compute, if a version saved it)."""
     adapter: Optional[LoraAdapter] = _current_adapter.get()
     if adapter is None:
         return wrapped(*args, **kwargs)
@@ -86,7 +89,8 @@ def linear_call(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> 
     _current_adapter.set(None)
     call = _call_arguments(wrapped, args, kwargs)
     if adapter.parallel_mode == "row":
-        return adapter.row_term(call["input"], wrapped(**call))
+        call["input"], hidden = adapter.row_down(call["input"], fuse_dgrad=True)
+        return adapter.up(hidden, wrapped(**call), in_place=True)
     return column_call(wrapped, call, adapter)
 
 
@@ -107,23 +111,6 @@ def column_call(linear: Callable, call: dict, adapter: LoraAdapter) -> Any:
         total_input = copy_to_tensor_model_parallel_region(local_input, group=group)
     else:
         total_input = local_input
-    call.update(input=total_input, sequence_parallel=False, allreduce_dgrad=False)
-    return adapter.column_term(total_input, keep_local, linear(**call))
-
-
-def add_up_projection(base_output: Optional[torch.Tensor], scaled_hidden: torch.Tensor,
-                      lora_b: torch.Tensor) -> torch.Tensor:
-    """`base_output + scaled_hidden B^T` as ONE GEMM with accumulation (`addmm`), or the bare
-    up-projection when `base_output` is None.
-
-    Why: the scale rides the rank-r hidden ([tokens, r], not [tokens, out]) and the sum is the
-    GEMM's own epilogue, so forward allocates one output-sized tensor (the result) and
-    backward none beyond the grads themselves (addmm passes the output grad to `base_output`
-    as is). Out-of-place: the base output may be saved by its own autograd node.
-    """
-    flat_hidden = scaled_hidden.reshape(-1, scaled_hidden.shape[-1])
-    if base_output is None:
-        flat = torch.mm(flat_hidden, lora_b.t())
-        return flat.view(*scaled_hidden.shape[:-1], flat.shape[-1])
-    flat = torch.addmm(base_output.reshape(-1, base_output.shape[-1]), flat_hidden, lora_b.t())
-    return flat.view(base_output.shape)
+    base_input, hidden = adapter.column_down(total_input, keep_local, fuse_dgrad=True)
+    call.update(input=base_input, sequence_parallel=False, allreduce_dgrad=False)
+    return adapter.up(hidden, linear(**call), in_place=True)

@@ -41,8 +41,9 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .adapter import LoraAdapter, _apply_mask, _DownProjection
-from .linear import adapter_of, add_up_projection
+from .adapter import LoraAdapter
+from .kernels import add_up_projection, apply_mask, down_projection
+from .linear import adapter_of
 
 TE_MODULE = "megatron.core.extensions.transformer_engine"
 #: Megatron TE class name -> (parallel mode, grouped).
@@ -92,16 +93,16 @@ def geometries(module: torch.nn.Module, mode: str, grouped: bool, is_expert: boo
 def column_term(adapter: LoraAdapter, x: torch.Tensor, sequence_parallel: bool,
                 base_output: Optional[torch.Tensor] = None) -> torch.Tensor:
     """LoRA output columns of this rank for a column layer whose TE base does its own TP comm
-    (added to `base_output` in the up-projection's GEMM when given: `adapter.add_up_projection`)."""
+    (added to `base_output` in the up-projection's GEMM when given: `LoraAdapter.up`)."""
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
     if sequence_parallel:  # x is this rank's sequence shard
-        local = _DownProjection.apply(_apply_mask(x, adapter.row_mask(x), adapter.dropout), adapter.A)
+        local = down_projection(x, adapter.A, adapter.row_mask(x), adapter.dropout)[1]
         hidden = gather_from_sequence_parallel_region(local, tensor_parallel_output_grad=True, group=adapter.tp_group)
     else:  # x is replicated over TP
-        dropped = _apply_mask(x, adapter.column_mask(x), adapter.dropout)
+        dropped = apply_mask(x, adapter.column_mask(x), adapter.dropout)
         hidden = _DownProjectionAllReduceDgrad.apply(dropped, adapter.A, adapter.tp_group)
-    return add_up_projection(base_output, hidden * adapter.scale, adapter.up_weight())
+    return adapter.up(hidden, base_output)
 
 
 def row_term(adapter: LoraAdapter, x: torch.Tensor, sequence_parallel: bool,
@@ -110,10 +111,10 @@ def row_term(adapter: LoraAdapter, x: torch.Tensor, sequence_parallel: bool,
     added to `base_output` in the up-projection's GEMM when given."""
     from megatron.core.tensor_parallel.mappings import reduce_scatter_to_sequence_parallel_region
 
-    partial = _DownProjection.apply(_apply_mask(x, adapter.row_mask(x), adapter.dropout), adapter.A)
+    partial = down_projection(x, adapter.A, adapter.row_mask(x), adapter.dropout)[1]
     if sequence_parallel:
         hidden = reduce_scatter_to_sequence_parallel_region(partial, group=adapter.tp_group)
-        return add_up_projection(base_output, hidden * adapter.scale, adapter.up_weight())
+        return adapter.up(hidden, base_output)
     return _UpProjectionAfterAllReduce.apply(partial, adapter.up_weight(), adapter.scale, adapter.tp_group, base_output)
 
 
@@ -161,7 +162,7 @@ class _UpProjectionAfterAllReduce(torch.autograd.Function):
         torch.distributed.all_reduce(total, group=group)
         ctx.save_for_backward(partial, lora_b)
         ctx.scale, ctx.has_base = scale, base_output is not None
-        return add_up_projection(base_output, total.mul_(scale), lora_b)
+        return add_up_projection(base_output, total, lora_b, scale)
 
     @staticmethod
     def backward(ctx, grad_output):

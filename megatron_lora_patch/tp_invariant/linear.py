@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from megatron_lora_patch.tp_invariant.cache import cached_gather
 from megatron_lora_patch.tp_invariant.collectives import gather_logical, local_slice, owned_by_first_rank
-from megatron_lora_patch.lora.linear import adapter_of, add_up_projection
+from megatron_lora_patch.lora.kernels import add_up_projection
+from megatron_lora_patch.lora.linear import adapter_of
 from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
 
 #: Attribute a patch sets on a column layer whose shards interleave two halves (SwiGLU fc1)
@@ -89,7 +90,7 @@ def _plus_lora(output: torch.Tensor, adapter: Any, total: torch.Tensor, lora_a: 
     """`output + (s * x A^T) B^T` at full width, fused into one GEMM with accumulation
     (`add_up_projection`): both contractions over the full dimension, in the TP = 1 order."""
     _check_adapter(adapter)
-    return add_up_projection(output, _matmul(total, lora_a) * adapter.scale, lora_b)
+    return add_up_projection(output, _matmul(total, lora_a), lora_b, adapter.scale)
 
 
 def _stride(layer: Any, tensor: torch.Tensor) -> int:
