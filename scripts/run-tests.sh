@@ -23,7 +23,7 @@ SMOKE=(0.13 0.14 0.15 0.16 0.17 0.18)
 RUNTIME_TESTS=(tests/test_runtime.py tests/test_flags.py tests/test_bootstrap.py tests/test_topology.py tests/test_patch_contract.py)
 # Tests whose cases depend on the Megatron-Core minor ("not applicable to this Megatron-Core" skips):
 # they also run on every other minor, so each case runs where it applies.
-VERSIONED_TESTS=(tests/test_null_tokenizer.py tests/test_megatron_compat.py)
+VERSIONED_TESTS=(tests/test_null_tokenizer.py tests/test_megatron_compat.py tests/test_preflight_hybrid.py)
 export LORA_PATCH_TEST_STRICT_SKIPS=1
 mkdir -p "$CACHE"
 status=0

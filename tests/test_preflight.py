@@ -7,16 +7,14 @@ of the oracle's mutations active the preflight must fail and name the layer.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import assert_one_line_error, clean_environ
+from conftest import assert_one_line_error
 
 if importlib.util.find_spec("megatron.training") is None:  # absent only: an import error in it must fail
     pytest.skip(
@@ -26,59 +24,15 @@ if importlib.util.find_spec("megatron.training") is None:  # absent only: an imp
 
 from megatron_lora_patch.errors import UsageError  # noqa: E402
 from megatron_lora_patch.proof.oracle import preflight  # noqa: E402
-
-DENSE = (
-    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
-    "--ffn-hidden-size 128 --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
-    "--untie-embeddings-and-output-weights --seq-length 16 --max-position-embeddings 16 --micro-batch-size 1 "
-    "--global-batch-size 64 --lr 1e-4 --train-iters 100 --mock-data --tokenizer-type NullTokenizer --vocab-size 128"
-).split()
-#: First layer dense, the other three MoE (4 experts, top-2): the preflight keeps one of each.
-MOE = DENSE + "--num-experts 4 --moe-router-topk 2 --moe-layer-freq ([0]+[1]*3) --moe-ffn-hidden-size 64".split()
-TP2_SP = "--tensor-model-parallel-size 2 --sequence-parallel".split()
-PHASES = {"forward", "loss", "grads", "grad_norm", "deltas"}
-
-
-def _environ() -> dict:
-    """No user LoRA / patch flags, except the untested-version override where the run sets it."""
-    keep = {key: os.environ[key] for key in ("MEGATRON_LORA_ALLOW_UNTESTED",) if key in os.environ}
-    return clean_environ(**keep)
-
-
-def _cli(*args: str, tmp_path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-P", "-m", "megatron_lora_patch", "preflight", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=_environ())
-
-
-def _options(megatron_args, **overrides) -> argparse.Namespace:
-    values = dict(json=None, steps=2, layers=None, seq_length=None, micro_batches=2, data_parallel_size=None,
-                  mutation=None, max_memory_gib=None, timeout=600.0)
-    values.update(overrides)
-    return argparse.Namespace(megatron_args=["--", *megatron_args], **values)
-
-
-@pytest.fixture
-def user_environ(monkeypatch):
-    """The training job's environment without LoRA / patch flags (the untested-version override kept)."""
-    for key in list(os.environ):
-        if (key.startswith("MEGATRON_LORA_") or key == "MEGATRON_PLUGINS") and key != "MEGATRON_LORA_ALLOW_UNTESTED":
-            monkeypatch.delenv(key)
-
-
-def _assert_passed(report, topology: str, kinds: list) -> None:
-    (row,) = report.topologies
-    assert report.passed, report.table()
-    assert row.topology == topology and row.world_size == 2
-    assert set(row.phases) == PHASES
-    for metrics in row.phases.values():
-        assert metrics.rel_l2 <= metrics.threshold and metrics.per_layer
-    assert report.preflight["layers"]["kinds"] == kinds
+from preflight_cases import (  # noqa: E402
+    DENSE, MOE, TP2_SP, PHASES, assert_passed, cli, options, preflight_environ, user_environ,  # noqa: F401 (fixture)
+)
 
 
 def test_dense_gqa_tp2_sp_passes_and_reports_json(tmp_path):
     """The README's command: exit 0, one depth-cut layer said, the verdict last, the JSON report."""
     report_path = tmp_path / "preflight.json"
-    result = _cli("--json", str(report_path), "--", *DENSE, *TP2_SP, tmp_path=tmp_path)
+    result = cli("--json", str(report_path), "--", *DENSE, *TP2_SP, tmp_path=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
     assert "layers: 1 of your 4 (every layer kind once: 0: dense); widths unchanged" in result.stdout
@@ -93,7 +47,7 @@ def test_dense_gqa_tp2_sp_passes_and_reports_json(tmp_path):
 def test_skipped_tp_sum_fails_and_names_the_layer(tmp_path):
     """The negative control: the column-parallel A's TP SUM left out must FAIL (exit 1) by >= 100x, naming layer 0."""
     report_path = tmp_path / "preflight.json"
-    result = _cli("--json", str(report_path), "--mutation", "skip_tp_sum_column_a", "--", *DENSE, *TP2_SP, tmp_path=tmp_path)
+    result = cli("--json", str(report_path), "--mutation", "skip_tp_sum_column_a", "--", *DENSE, *TP2_SP, tmp_path=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1].startswith("FAIL: 0/1 topologies match world-1")
     drift = json.loads(report_path.read_text())["drift"]
@@ -103,19 +57,19 @@ def test_skipped_tp_sum_fails_and_names_the_layer(tmp_path):
 
 
 def test_dense_pp2_passes(user_environ):
-    plan = preflight.make_plan(_options([*DENSE, "--pipeline-model-parallel-size", "2"]))
-    _assert_passed(preflight.run_plan(plan), "pp2", ["dense", "dense"])
+    plan = preflight.make_plan(options([*DENSE, "--pipeline-model-parallel-size", "2"]))
+    assert_passed(preflight.run_plan(plan), "pp2", ["dense", "dense"])
 
 
 def test_moe_ep2_passes(user_environ):
-    plan = preflight.make_plan(_options([*MOE, "--expert-model-parallel-size", "2"]))
-    _assert_passed(preflight.run_plan(plan), "ep2", ["dense", "moe"])
+    plan = preflight.make_plan(options([*MOE, "--expert-model-parallel-size", "2"]))
+    assert_passed(preflight.run_plan(plan), "ep2", ["dense", "moe"])
 
 
 def test_moe_tp2_etp2_sp_passes_and_a_skipped_expert_sum_names_the_moe_layer(user_environ):
     arguments = [*MOE, *TP2_SP, "--expert-tensor-parallel-size", "2"]
-    _assert_passed(preflight.run_plan(preflight.make_plan(_options(arguments))), "tp2-etp2-sp", ["dense", "moe"])
-    report = preflight.run_plan(preflight.make_plan(_options(arguments, mutation="skip_expert_tp_sum")))
+    assert_passed(preflight.run_plan(preflight.make_plan(options(arguments))), "tp2-etp2-sp", ["dense", "moe"])
+    report = preflight.run_plan(preflight.make_plan(options(arguments, mutation="skip_expert_tp_sum")))
     assert not report.passed
     assert report.drift["layer"] == 1 and report.drift["layer_kind"] == "moe", report.drift
     assert "experts" in report.drift["parameter"] and report.drift["over_threshold"] >= 100
@@ -143,7 +97,7 @@ def test_moe_tp2_etp2_sp_passes_and_a_skipped_expert_sum_names_the_moe_layer(use
 )
 def test_bad_input_is_one_usage_error(user_environ, arguments, overrides, message):
     with pytest.raises(UsageError) as caught:
-        preflight.make_plan(_options(arguments, **overrides))
+        preflight.make_plan(options(arguments, **overrides))
     assert str(caught.value) == message
 
 
@@ -151,17 +105,17 @@ def test_too_large_for_this_machine_says_so_and_offers_fewer_layers(user_environ
     """Never a silent pass: a world-1 model over the memory limit stops with the smallest comparison that fits."""
     from megatron_lora_patch.proof.testbed.args_model import estimate_parameters
 
-    full = preflight.make_plan(_options([*MOE, "--expert-model-parallel-size", "2"], layers=4))
-    minimal = preflight.make_plan(_options([*MOE, "--expert-model-parallel-size", "2"]))
+    full = preflight.make_plan(options([*MOE, "--expert-model-parallel-size", "2"], layers=4))
+    minimal = preflight.make_plan(options([*MOE, "--expert-model-parallel-size", "2"]))
     between = (estimate_parameters(full.spec) + estimate_parameters(minimal.spec)) * 4  # fp32 x2, in bytes
     with pytest.raises(UsageError, match=r"the world-1 reference cannot fit: .* use --layers 2 \(the fewest that hold every layer kind\)$"):
-        preflight.make_plan(_options([*MOE, "--expert-model-parallel-size", "2"], layers=4, max_memory_gib=between / 2**30))
+        preflight.make_plan(options([*MOE, "--expert-model-parallel-size", "2"], layers=4, max_memory_gib=between / 2**30))
     with pytest.raises(UsageError, match="even the fewest layers do not fit at these widths"):
-        preflight.make_plan(_options([*MOE, "--expert-model-parallel-size", "2"], max_memory_gib=1e-6))
+        preflight.make_plan(options([*MOE, "--expert-model-parallel-size", "2"], max_memory_gib=1e-6))
 
 
 def test_bad_lora_environment_is_one_line_exit_2(tmp_path):
-    environ = _environ() | {"MEGATRON_LORA_RANK": "abc"}
+    environ = preflight_environ() | {"MEGATRON_LORA_RANK": "abc"}
     command = [sys.executable, "-P", "-m", "megatron_lora_patch", "preflight", "--", *DENSE, *TP2_SP]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=environ)
     assert_one_line_error(result, "MEGATRON_LORA_RANK must be a positive integer, got 'abc'", returncode=2)
@@ -192,7 +146,7 @@ def test_data_path_feeds_both_runs_the_first_tokens_and_passes(user_environ, tmp
     from megatron_lora_patch.proof.testbed import driver
 
     prefix = _corpus(tmp_path)
-    plan = preflight.make_plan(_options(_with_data([*DENSE, *TP2_SP], "1.0", prefix)))
+    plan = preflight.make_plan(options(_with_data([*DENSE, *TP2_SP], "1.0", prefix)))
     assert plan.data_path == prefix and plan.describe()["data"] == prefix
     settings = driver.TrainSettings(steps=2, global_batch_size=4, data_path=prefix)
     batches = driver._global_batches(plan.spec, settings)
@@ -203,7 +157,7 @@ def test_data_path_feeds_both_runs_the_first_tokens_and_passes(user_environ, tmp
         assert (batch["tokens"] == expected[:, :-1]).all() and (batch["labels"] == expected[:, 1:]).all()
     mock = driver._global_batches(plan.spec, driver.TrainSettings(steps=1, global_batch_size=4))
     assert not (mock[0]["tokens"] == batches[0]["tokens"]).all()  # control: the data path changed the tokens
-    _assert_passed(preflight.run_plan(plan), "tp2-sp", ["dense"])
+    assert_passed(preflight.run_plan(plan), "tp2-sp", ["dense"])
 
 
 def _first_tokens(dataset, count: int):
@@ -216,21 +170,21 @@ def _first_tokens(dataset, count: int):
 
 def test_bad_data_path_is_one_usage_error(user_environ, tmp_path):
     with pytest.raises(UsageError, match=r"--data-path .*missing\.bin and .*missing\.idx not found \(give the prefix"):
-        preflight.make_plan(_options(_with_data([*DENSE, *TP2_SP], str(tmp_path / "missing"))))
+        preflight.make_plan(options(_with_data([*DENSE, *TP2_SP], str(tmp_path / "missing"))))
     wide = _corpus(tmp_path, vocab_size=1000)
     with pytest.raises(UsageError, match=r"token id \d+ is outside your vocabulary of 128; was it tokenized"):
-        preflight.make_plan(_options(_with_data([*DENSE, *TP2_SP], wide)))
+        preflight.make_plan(options(_with_data([*DENSE, *TP2_SP], wide)))
     short = _corpus(tmp_path, sequences=1)
     with pytest.raises(UsageError, match=r"holds 50 tokens, the preflight needs \d+; use fewer --steps"):
-        preflight.make_plan(_options(_with_data([*DENSE, *TP2_SP], short)))
+        preflight.make_plan(options(_with_data([*DENSE, *TP2_SP], short)))
 
 
 def test_dense_dp2_distributed_optimizer_passes_and_ddp_averaging_on_top_fails(user_environ):
     """`--use-distributed-optimizer` runs as given (reduce-scattered grads, sharded optimizer state) against a
     world-1 reference with the plain optimizer; the negative control (DDP also averaging over DP) fails >= 100x."""
     arguments = [*DENSE, "--use-distributed-optimizer"]
-    plan = preflight.make_plan(_options(arguments, data_parallel_size=2))
+    plan = preflight.make_plan(options(arguments, data_parallel_size=2))
     assert "use_distributed_optimizer" not in {change["setting"] for change in plan.describe()["changed"]}
-    _assert_passed(preflight.run_plan(plan), "dp2", ["dense"])
-    report = preflight.run_plan(preflight.make_plan(_options(arguments, data_parallel_size=2, mutation="ddp_average_on_top")))
+    assert_passed(preflight.run_plan(plan), "dp2", ["dense"])
+    report = preflight.run_plan(preflight.make_plan(options(arguments, data_parallel_size=2, mutation="ddp_average_on_top")))
     assert not report.passed and report.drift["over_threshold"] >= 100, report.table()

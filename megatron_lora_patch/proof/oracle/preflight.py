@@ -89,7 +89,9 @@ class Plan:
         args, spec = self.spec.args, self.spec
         return {
             "topology": str(self.topology), "world_size": self.topology.world_size, "device": "cpu+gloo",
-            "layers": {"yours": args.num_layers, "kept": spec.num_layers, "kinds": list(spec.kinds)},
+            "layers": {"yours": args.num_layers, "kept": spec.num_layers, "kinds": list(spec.kinds),
+                       "hybrid_pattern": {"yours": args.hybrid_layer_pattern, "kept": spec.hybrid_pattern}
+                       if spec.hybrid_pattern else None},
             "width": {"hidden": args.hidden_size, "heads": args.num_attention_heads, "query_groups": args.num_query_groups
                       if args.group_query_attention else args.num_attention_heads, "ffn": args.ffn_hidden_size,
                       "experts": args.num_experts, "topk": args.moe_router_topk if args.num_experts else None,
@@ -109,6 +111,8 @@ class Plan:
             f"{self.steps} steps, {spec.dtype}, ~{self.parameters / 1e6:.1f}M parameters at world size 1",
             f"  layers: {spec.num_layers} of your {spec.args.num_layers} (every layer kind once: {kinds}); widths unchanged",
         ]
+        if spec.hybrid_pattern:
+            lines.append(f"  hybrid layer pattern: {spec.hybrid_pattern!r} of your {spec.args.hybrid_layer_pattern!r}")
         lines.append(f"  data: {'the first tokens of ' + self.data_path if self.data_path else 'mock'}")
         lines.append("  patches (from your environment): " + ", ".join(name for name, on in self.patches.items() if on))
         lines += [f"  changed: {item['setting']} {item['yours']} -> {item['preflight']}" for item in described["changed"]]
@@ -264,7 +268,7 @@ def run_plan(plan: Plan):
 
     started = time.monotonic()
     name = str(plan.topology) + (f" +{plan.mutation.name}" if plan.mutation else "")
-    model = "moe" if "moe" in plan.spec.kinds else "dense"
+    model = plan.spec.family
     report = PreflightReport(settings={"thresholds": plan.limits.thresholds, "dtype": plan.spec.dtype, "steps": plan.steps,
                                        "seed": plan.spec.args.seed, "model_summaries": {model: "your model (above)"}},
                              preflight=plan.describe())

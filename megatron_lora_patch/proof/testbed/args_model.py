@@ -4,7 +4,8 @@
 (as `pretrain_gpt.py` does, without initializing distributed); `ArgsModelSpec.from_args`
 keeps every width (hidden, heads, query groups, ffn, experts, top-k, vocabulary) and only
 cuts the number of layers to the fewest that hold every distinct layer kind (dense / MoE
-from `--moe-layer-freq`), a multiple of the pipeline size. Inside a rank,
+from `--moe-layer-freq`; attention / MLP / MoE from `--hybrid-layer-pattern`, see
+`testbed.args_hybrid`), a multiple of the pipeline size. Inside a rank,
 `ArgsModelSpec.build_model(topology, seed)` builds the TransformerConfig through
 `core_transformer_config_from_args` and the layer spec the way Megatron-LM's GPT builder
 chooses it, then overwrites every frozen base weight with a draw from (seed, logical
@@ -22,6 +23,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import hashlib
 import io
 import math
@@ -54,7 +56,6 @@ UNSUPPORTED = (
     ("pipeline_model_parallel_layout", "a pipeline layout"),
     ("mtp_num_layers", "multi-token prediction layers"),
     ("heterogeneous_layers_config_path", "heterogeneous layers"),
-    ("hybrid_layer_pattern", "hybrid (Mamba) layers"),
     ("fp16", "fp16 loss scaling (compare in --bf16 or fp32)"),
 )
 
@@ -128,7 +129,12 @@ def _cpu_host(arguments_module):
 
 
 def layer_kinds(args: argparse.Namespace) -> List[str]:
-    """The kind of every layer of the user's model, from `--num-experts` and `--moe-layer-freq`."""
+    """The kind of every layer of the user's model: from `--hybrid-layer-pattern` if given, else from
+    `--num-experts` and `--moe-layer-freq`."""
+    if getattr(args, "hybrid_layer_pattern", None):
+        from megatron_lora_patch.proof.testbed.args_hybrid import hybrid_layer_kinds
+
+        return hybrid_layer_kinds(args)
     if not args.num_experts:
         return [DENSE] * args.num_layers
     frequency = args.moe_layer_freq
@@ -180,11 +186,12 @@ class ArgsModelSpec:
 
     @classmethod
     def from_args(cls, args, *, layers: Optional[int] = None, seq_length: Optional[int] = None, cpu: bool = True):
+        kinds = layer_kinds(args)  # first: a hybrid pattern's own refusals name the pattern
         for name, what in UNSUPPORTED:
             if getattr(args, name, None):
                 raise UsageError(f"preflight does not support {what} yet: drop --{name.replace('_', '-')} for the preflight")
         vocab, padded = padded_vocab_size(args)
-        kinds = scaled_kinds(layer_kinds(args), args.pipeline_model_parallel_size, layers)
+        kinds = scaled_kinds(kinds, args.pipeline_model_parallel_size, layers)
         return cls(args, kinds, seq_length or args.seq_length, vocab, padded, cpu)
 
     @property
@@ -198,6 +205,23 @@ class ArgsModelSpec:
     @property
     def is_moe(self) -> bool:
         return bool(self.args.num_experts)
+
+    @property
+    def hybrid_pattern(self) -> Optional[str]:
+        """The kept hybrid layer pattern at your pipeline size (a `|` at each stage boundary); None for GPT."""
+        return self._pattern(self.args.pipeline_model_parallel_size)
+
+    def _pattern(self, pp: int) -> Optional[str]:
+        if not getattr(self.args, "hybrid_layer_pattern", None):
+            return None
+        from megatron_lora_patch.proof.testbed.args_hybrid import kept_pattern
+
+        return kept_pattern(self.kinds, pp)
+
+    @property
+    def family(self) -> str:
+        """hybrid | moe | dense: the model kind the report names."""
+        return "hybrid" if self.hybrid_pattern else MOE if MOE in self.kinds else DENSE
 
     @property
     def dtype(self) -> str:
@@ -228,7 +252,9 @@ class ArgsModelSpec:
                 setattr(args, remat, 1)
         args.sequence_parallel = bool(getattr(topology, "sp", False))
         args.num_layers = self.num_layers
-        if self.is_moe:
+        if self.hybrid_pattern:  # the world-size-1 reference: one stage, the same layers
+            args.hybrid_layer_pattern = self._pattern(sizes["pp"])
+        elif self.is_moe:
             args.moe_layer_freq = [int(kind == MOE) for kind in self.kinds]
         args.seq_length = self.seq_length
         args.max_position_embeddings = max(args.max_position_embeddings or 0, self.seq_length)
@@ -253,11 +279,17 @@ class ArgsModelSpec:
         """Nothing left to check: Megatron-LM's own `validate_args` accepted the user's topology."""
 
     def build_model(self, topology: Any, seed: int) -> list:
-        """This rank's GPTModel (one chunk) with the logical base weights loaded. Needs parallel_state."""
+        """This rank's GPTModel or HybridModel (one chunk) with the logical base weights loaded. Needs parallel_state."""
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
 
         args, config = self.run_args(topology), self.config(topology)
+        if self.hybrid_pattern:
+            from megatron_lora_patch.proof.testbed.args_hybrid import build_hybrid_model
+
+            model = build_hybrid_model(self, args, config, functools.partial(_local_layer_spec, args))
+            load_logical_draw([model], seed, config.init_method_std)
+            return [model]
         model = GPTModel(
             config=config,
             transformer_layer_spec=_layer_spec(config, args),
@@ -287,20 +319,35 @@ def _layer_spec(config, args: argparse.Namespace):
         spec = gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm
         )
-        layers = spec.layer_specs
-    else:
-        build = (
-            gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec if use_te else gpt_layer_specs.get_gpt_layer_local_spec
+        _local_cp_attention(args, spec.layer_specs)
+        return spec
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, args.multi_latent_attention
         )
-        extra = {} if use_te else {"normalization": args.normalization}
-        spec = build(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, args.multi_latent_attention, **extra)
-        layers = [spec]
-    if not use_te and args.context_parallel_size > 1:
-        from megatron_lora_patch.proof.testbed.cp_attention import ContextParallelDotProductAttention
+    return _local_layer_spec(args, args.num_experts)
 
-        for layer in layers:
-            layer.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention
+
+def _local_layer_spec(args: argparse.Namespace, num_experts: Optional[int]):
+    """Megatron's GPT local layer spec for these arguments (`num_experts` None: a dense MLP), with the
+    testbed's CP core attention where cp > 1."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts, args.moe_grouped_gemm, args.qk_layernorm, args.multi_latent_attention, normalization=args.normalization
+    )
+    _local_cp_attention(args, [spec])
     return spec
+
+
+def _local_cp_attention(args: argparse.Namespace, layers: Sequence[Any]) -> None:
+    """With cp > 1 the local layers' core attention is the testbed's context-parallel one."""
+    if args.transformer_impl == "transformer_engine" or args.context_parallel_size == 1:
+        return
+    from megatron_lora_patch.proof.testbed.cp_attention import ContextParallelDotProductAttention
+
+    for layer in layers:
+        layer.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention
 
 
 def load_logical_draw(chunks: list, seed: int, std: float) -> None:
@@ -341,12 +388,13 @@ def estimate_parameters(spec: ArgsModelSpec) -> int:
     def mlp(ffn: int) -> int:
         return hidden * ffn * glu + ffn * hidden
 
+    experts = 0
+    if args.num_experts:
+        experts = args.num_experts * (mlp(args.moe_ffn_hidden_size or args.ffn_hidden_size) + hidden)
+        experts += mlp(args.moe_shared_expert_intermediate_size or 0)
+    # A GPT layer is attention + MLP or MoE; a hybrid layer is one of them (args_hybrid.KINDS).
+    parts = {DENSE: attention + mlp(args.ffn_hidden_size), MOE: attention + experts}
+    if spec.hybrid_pattern:
+        parts = {"attention": attention, "mlp": mlp(args.ffn_hidden_size), MOE: experts}
     total = spec.padded_vocab_size * hidden * (2 if args.untie_embeddings_and_output_weights else 1)
-    for kind in spec.kinds:
-        total += attention
-        if kind == DENSE:
-            total += mlp(args.ffn_hidden_size)
-        else:
-            total += args.num_experts * (mlp(args.moe_ffn_hidden_size or args.ffn_hidden_size) + hidden)
-            total += mlp(args.moe_shared_expert_intermediate_size or 0)
-    return total
+    return total + sum(parts[kind] for kind in spec.kinds)

@@ -275,26 +275,10 @@ def layer_spec(spec: TinyGPTSpec, topology: Any = None):
 def hybrid_stack_spec(spec: TinyGPTSpec, topology: Any = None):
     """A local (non-TE) `HybridStack` spec (Megatron-Core 0.18+; `MambaStack` before) for the attention
     (`*`) and MLP (`-`) layers of a hybrid pattern, cut from the GPT local layer spec: their linears are
-    the GPT model's."""
-    import dataclasses as dc
+    the GPT model's. No final norm (`logical_shapes` has none for a hybrid spec)."""
+    from megatron_lora_patch.proof.testbed.hybrid_stack import local_stack_spec
 
-    try:
-        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
-    except ImportError:  # up to 0.17 the same stack is MambaStack
-        from megatron.core.ssm.mamba_block import MambaStack as HybridStack
-        from megatron.core.ssm.mamba_block import MambaStackSubmodules as HybridStackSubmodules
-    from megatron.core.ssm.mlp_layer import MLPLayer
-    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    gpt = layer_spec(spec, topology)
-    no_mlp = dict(pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityFuncOp)
-    no_attention = dict(input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp)
-    attention = dc.replace(gpt, submodules=dc.replace(gpt.submodules, **no_mlp))
-    mlp = ModuleSpec(module=MLPLayer, submodules=dc.replace(gpt.submodules, **no_attention))
-    # no final norm: HybridStack builds it as TENorm whatever the spec says, and TE is absent here
-    submodules = HybridStackSubmodules(attention_layer=attention, mlp_layer=mlp)
-    return ModuleSpec(module=HybridStack, submodules=submodules, params={"post_layer_norm": False})
+    return local_stack_spec(layer_spec(spec, topology), final_norm=False)
 
 
 def build_model(
