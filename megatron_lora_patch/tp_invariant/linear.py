@@ -24,14 +24,14 @@ step); only the activations (row input) are gathered per call.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from megatron_lora_patch.tp_invariant.cache import cached_gather
 from megatron_lora_patch.tp_invariant.collectives import gather_logical, local_slice, owned_by_first_rank
-from megatron_lora_patch.lora.kernels import add_up_projection
+from megatron_lora_patch.lora.kernels import add_up_projection, down_projection
 from megatron_lora_patch.lora.linear import adapter_of
 from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
 
@@ -78,19 +78,22 @@ def _check_adapter(adapter: Any) -> None:
         )
 
 
-def _matmul(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`F.linear` on the 2-D view of `input`: CPU kernels pick their path from the strides, and a
-    size-1 batch dim can carry any stride (TP = 1 and TP = n hand over different ones)."""
-    flat = F.linear(input.reshape(-1, input.shape[-1]), weight, bias)
-    return flat.view(*input.shape[:-1], flat.shape[-1])
-
-
-def _plus_lora(output: torch.Tensor, adapter: Any, total: torch.Tensor, lora_a: torch.Tensor,
-               lora_b: torch.Tensor) -> torch.Tensor:
-    """`output + (s * x A^T) B^T` at full width, fused into one GEMM with accumulation
-    (`add_up_projection`): both contractions over the full dimension, in the TP = 1 order."""
-    _check_adapter(adapter)
-    return add_up_projection(output, _matmul(total, lora_a), lora_b, adapter.scale)
+def _full_linear(total: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 lora: Optional[Tuple[Any, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """`total W^T + b` plus, with `lora = (adapter, full A, full B)`, `s (total A^T) B^T`: every
+    contraction over the full dimension in the TP = 1 order, on the 2-D view of `total` (CPU kernels
+    pick their path from the strides, and a size-1 batch dim can carry any stride: TP = 1 and TP = n
+    hand over different ones). The LoRA term uses the same in-place kernels as the default mode
+    (`lora.kernels`): the LoRA input grad accumulates into the base's, the term into the base output."""
+    flat_input = total.reshape(-1, total.shape[-1])
+    if lora is None:
+        flat = F.linear(flat_input, weight, bias)
+    else:
+        adapter, lora_a, lora_b = lora
+        _check_adapter(adapter)
+        flat_input, hidden = down_projection(flat_input, lora_a, None, 0.0, fuse_dgrad=True)
+        flat = add_up_projection(F.linear(flat_input, weight, bias), hidden, lora_b, adapter.scale, in_place=True)
+    return flat.view(*total.shape[:-1], flat.shape[-1])
 
 
 def _stride(layer: Any, tensor: torch.Tensor) -> int:
@@ -119,10 +122,9 @@ def column_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor, bias: O
         total = input  # non-SP: no dgrad all-reduce; every rank computes the complete input grad
     stride = _stride(layer, weight)
     full_bias = None if bias is None else cached_gather(bias, 0, stride, group)
-    output = _matmul(total, cached_gather(weight, 0, stride, group), full_bias)
     adapter = adapter_of(layer)
-    if adapter is not None:
-        output = _plus_lora(output, adapter, total, adapter.A, _full_up_weight(layer, adapter, group))
+    lora = None if adapter is None else (adapter, adapter.A, _full_up_weight(layer, adapter, group))
+    output = _full_linear(total, cached_gather(weight, 0, stride, group), full_bias, lora)
     return local_slice(output, -1, stride, group)
 
 
@@ -131,10 +133,9 @@ def row_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor) -> torch.T
     _check_supported(layer)
     group = layer.tp_group
     total = gather_logical(input, -1, 1, group)
-    output = _matmul(total, cached_gather(weight, 1, 1, group))
     adapter = adapter_of(layer)
-    if adapter is not None:
-        output = _plus_lora(output, adapter, total, cached_gather(adapter.A, 1, 1, group), adapter.up_weight())
+    lora = None if adapter is None else (adapter, cached_gather(adapter.A, 1, 1, group), adapter.up_weight())
+    output = _full_linear(total, cached_gather(weight, 1, 1, group), None, lora)
     return owned_by_first_rank(output, group)
 
 
