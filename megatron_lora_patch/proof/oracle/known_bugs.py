@@ -203,20 +203,21 @@ def lora_input_grad_outside_collective(patcher: Patcher) -> None:
 
 def _expert_row_term_all_reduced(wrapped, instance, args, kwargs):
     """An expert row LoRA term made whole (all-reduced over expert TP) before the dispatcher sums it
-    (the base partial it is fused with stays partial, as on the correct path)."""
-    local_input, base_output = args[0], (args[1] if len(args) > 1 else kwargs.get("base_output"))
-    term = wrapped(local_input)
-    if instance.is_expert:
-        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+    (the base partial it is added to stays partial, as on the correct path). Wraps `LoraAdapter.up`,
+    where every row term meets its base output."""
+    if not (instance.is_expert and instance.parallel_mode == "row"):
+        return wrapped(*args, **kwargs)
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-        term = reduce_from_tensor_model_parallel_region(term, group=instance.tp_group)
+    hidden, base_output = args[0], (args[1] if len(args) > 1 else kwargs.get("base_output"))
+    term = reduce_from_tensor_model_parallel_region(wrapped(hidden), group=instance.tp_group)
     return term if base_output is None else base_output + term
 
 
 def full_output_on_partial_sum_expert_path(patcher: Patcher) -> None:
     from megatron_lora_patch.lora.adapter import LoraAdapter
 
-    patcher.wrap(LoraAdapter, "row_term", _expert_row_term_all_reduced)
+    patcher.wrap(LoraAdapter, "up", _expert_row_term_all_reduced)
 
 
 # -- DP sync, token normalization, grad norm -----------------------------------------------
