@@ -10,8 +10,9 @@ training); expert-path partial outputs / input grads get the dispatcher's SUM he
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
-from typing import Dict
+from typing import Any, Dict
 
 import torch
 
@@ -60,6 +61,93 @@ def apply_lora_linear() -> None:
     apply_only(("cpu_compat", "lora_linear"))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Shards:
+    """This rank's place in the layer's TP (expert-TP) group and how it slices logical tensors."""
+
+    group: Any
+    rank: int
+    size: int
+    sp: bool
+    expert: bool
+
+    def tp(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        from megatron_lora_patch.lora.layouts import shard
+
+        return shard(tensor, dim, self.rank, self.size)
+
+    def seq(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.tp(tensor, 0) if self.sp else tensor
+
+
+def _run(shards: _Shards, module, column: bool, x, upstream, y_ref, dx_ref):
+    """Forward + backward of this rank's layer; (output, expected output, input grad, expected input grad)."""
+    if column:
+        x_local = shards.seq(x).clone().requires_grad_(True)
+        y_local, _ = module(x_local)
+        (y_local * shards.tp(upstream, 2)).sum().backward()
+        expected_y, dx, expected_dx = shards.tp(y_ref, 2), x_local.grad, shards.seq(dx_ref)
+    else:
+        x_local = shards.tp(x, 2).clone().requires_grad_(True)
+        y_local, _ = module(x_local)
+        (y_local * shards.seq(upstream)).sum().backward()
+        expected_y, dx, expected_dx = shards.seq(y_ref), x_local.grad, shards.tp(dx_ref, 2)
+    if shards.expert:
+        # Explicit expert comm: the layer's output (row) and input grad (column) are
+        # partial sums the token dispatcher reduces over expert-TP.
+        if column:
+            torch.distributed.all_reduce(dx, group=shards.group)
+            expected_dx = dx_ref
+        else:
+            y_local = y_local.detach().clone()
+            torch.distributed.all_reduce(y_local, group=shards.group)
+    return y_local, expected_y, dx, expected_dx
+
+
+def _adapter_grads(shards: _Shards, module, column: bool):
+    """dA, dB of the layer's adapter (replicated ones SUMmed over TP, as finalize does) after checking its metadata."""
+    from megatron_lora_patch.lora.metadata import adapter_info
+
+    adapter = module.lora
+    grad_a, grad_b = adapter.A.grad.clone(), adapter.B.grad.clone()
+    for param, grad in ((adapter.A, grad_a), (adapter.B, grad_b)):
+        info = adapter_info(param)
+        assert info.domain == ("expert_tp" if shards.expert else "tp") and info.group is shards.group
+        assert param.allreduce is (not shards.expert)
+        assert getattr(param, "tensor_model_parallel", False) is (not info.replicated)
+        if info.replicated:
+            torch.distributed.all_reduce(grad, group=shards.group)  # the finalize_grads SUM
+    assert adapter_info(adapter.A).replicated is column and adapter_info(adapter.B).replicated is not column
+    assert module.weight.grad is None
+    return grad_a, grad_b
+
+
+def _layer_errors(shards: _Shards, lora, name: str, module, in_f: int, out_f: int) -> Dict[str, float]:
+    """Max-abs errors (over max) of one layer's output, input grad, factor grads and init vs the dense math."""
+    from megatron_lora_patch.lora.init import logical_factors
+
+    column = name == "fc1"
+    weight = _logical(name + ".weight", out_f, in_f)
+    bias = None if shards.expert else _logical(name + ".bias", out_f)
+    x, upstream = _logical(name + ".x", SEQ, BATCH, in_f), _logical(name + ".dy", SEQ, BATCH, out_f)
+    lora_a, lora_b = logical_factors(lora, "linear_" + name, None, in_f, out_f)
+    y_ref, dx_ref, da_ref, db_ref = _dense_reference(x, weight, bias, lora_a, lora_b, lora.scale, upstream)
+    with torch.no_grad():
+        module.weight.copy_(shards.tp(weight, 0 if column else 1))
+        if bias is not None:
+            module.bias.copy_(shards.tp(bias, 0) if column else bias)
+    y_local, expected_y, dx, expected_dx = _run(shards, module, column, x, upstream, y_ref, dx_ref)
+    grad_a, grad_b = _adapter_grads(shards, module, column)
+    return {
+        f"{name}.y": max_abs_error_over_max(y_local, expected_y),
+        f"{name}.dx": max_abs_error_over_max(dx, expected_dx),
+        f"{name}.dA": max_abs_error_over_max(grad_a, da_ref if column else shards.tp(da_ref, 1)),
+        f"{name}.dB": max_abs_error_over_max(grad_b, shards.tp(db_ref, 0) if column else db_ref),
+        f"{name}.A_init": max_abs_error_over_max(module.lora.A, lora_a if column else shards.tp(lora_a, 1)),
+        f"{name}.B_init": max_abs_error_over_max(module.lora.B, shards.tp(lora_b, 0) if column else lora_b),
+    }
+
+
 def check_layers(rank: int, world: int, topology_spec: str, expert: bool, sp_input: str) -> Dict[str, float]:
     """Max-abs errors vs the dense reference for column and row layers (plus structural checks)."""
     from megatron.core import parallel_state
@@ -67,9 +155,6 @@ def check_layers(rank: int, world: int, topology_spec: str, expert: bool, sp_inp
 
     from megatron_lora_patch.lora.attach import attach_adapters
     from megatron_lora_patch.lora.config import LoraConfig
-    from megatron_lora_patch.lora.init import logical_factors
-    from megatron_lora_patch.lora.layouts import shard
-    from megatron_lora_patch.lora.metadata import adapter_info
     from megatron_lora_patch.proof.testbed.topology import Topology
 
     apply_lora_linear()
@@ -80,8 +165,7 @@ def check_layers(rank: int, world: int, topology_spec: str, expert: bool, sp_inp
             group = parallel_state.get_expert_tensor_parallel_group()
         else:
             group = parallel_state.get_tensor_model_parallel_group()
-        tp_rank, tp = group.rank(), group.size()
-        sp = topology.sp and not expert
+        shards = _Shards(group, group.rank(), group.size(), sp=topology.sp and not expert, expert=expert)
         config = ModelParallelConfig(
             tensor_model_parallel_size=topology.tp,
             expert_model_parallel_size=topology.ep,
@@ -96,59 +180,6 @@ def check_layers(rank: int, world: int, topology_spec: str, expert: bool, sp_inp
         assert names == ["linear_fc1", "linear_fc2"], names
         trainable = sorted(n for n, p in layers.named_parameters() if p.requires_grad)
         assert trainable == ["linear_fc1.lora.A", "linear_fc1.lora.B", "linear_fc2.lora.A", "linear_fc2.lora.B"], trainable
-
-        def seq_shard(t):
-            return shard(t, 0, tp_rank, tp) if sp else t
-
-        for name, module, in_f, out_f in (("fc1", layers.linear_fc1, HIDDEN, FFN), ("fc2", layers.linear_fc2, FFN, HIDDEN)):
-            column = name == "fc1"
-            weight = _logical(name + ".weight", out_f, in_f)
-            bias = None if expert else _logical(name + ".bias", out_f)
-            x = _logical(name + ".x", SEQ, BATCH, in_f)
-            upstream = _logical(name + ".dy", SEQ, BATCH, out_f)
-            lora_a, lora_b = logical_factors(lora, "linear_" + name, None, in_f, out_f)
-            y_ref, dx_ref, da_ref, db_ref = _dense_reference(x, weight, bias, lora_a, lora_b, lora.scale, upstream)
-            with torch.no_grad():
-                module.weight.copy_(shard(weight, 0 if column else 1, tp_rank, tp))
-                if bias is not None:
-                    module.bias.copy_(shard(bias, 0, tp_rank, tp) if column else bias)
-
-            if column:
-                x_local = seq_shard(x).clone().requires_grad_(True)
-                y_local, _ = module(x_local)
-                expected_y = shard(y_ref, 2, tp_rank, tp)
-                (y_local * shard(upstream, 2, tp_rank, tp)).sum().backward()
-                dx, expected_dx = x_local.grad, seq_shard(dx_ref)
-            else:
-                x_local = shard(x, 2, tp_rank, tp).clone().requires_grad_(True)
-                y_local, _ = module(x_local)
-                expected_y = seq_shard(y_ref)
-                (y_local * seq_shard(upstream)).sum().backward()
-                dx, expected_dx = x_local.grad, shard(dx_ref, 2, tp_rank, tp)
-            if expert:
-                # Explicit expert comm: the layer's output (row) and input grad (column) are
-                # partial sums the token dispatcher reduces over expert-TP.
-                if column:
-                    torch.distributed.all_reduce(dx, group=group)
-                    expected_dx = dx_ref
-                else:
-                    y_local = y_local.detach().clone()
-                    torch.distributed.all_reduce(y_local, group=group)
-            adapter = module.lora
-            grad_a, grad_b = adapter.A.grad.clone(), adapter.B.grad.clone()
-            for param, grad in ((adapter.A, grad_a), (adapter.B, grad_b)):
-                info = adapter_info(param)
-                assert info.domain == ("expert_tp" if expert else "tp") and info.group is group
-                assert param.allreduce is (not expert)
-                assert getattr(param, "tensor_model_parallel", False) is (not info.replicated)
-                if info.replicated:
-                    torch.distributed.all_reduce(grad, group=group)  # the finalize_grads SUM
-            assert adapter_info(adapter.A).replicated is column and adapter_info(adapter.B).replicated is not column
-            assert module.weight.grad is None
-            errors[f"{name}.y"] = max_abs_error_over_max(y_local, expected_y)
-            errors[f"{name}.dx"] = max_abs_error_over_max(dx, expected_dx)
-            errors[f"{name}.dA"] = max_abs_error_over_max(grad_a, da_ref if column else shard(da_ref, 1, tp_rank, tp))
-            errors[f"{name}.dB"] = max_abs_error_over_max(grad_b, shard(db_ref, 0, tp_rank, tp) if column else db_ref)
-            errors[f"{name}.A_init"] = max_abs_error_over_max(adapter.A, lora_a if column else shard(lora_a, 1, tp_rank, tp))
-            errors[f"{name}.B_init"] = max_abs_error_over_max(adapter.B, shard(lora_b, 0, tp_rank, tp) if column else lora_b)
+        errors.update(_layer_errors(shards, lora, "fc1", layers.linear_fc1, HIDDEN, FFN))
+        errors.update(_layer_errors(shards, lora, "fc2", layers.linear_fc2, FFN, HIDDEN))
     return errors
