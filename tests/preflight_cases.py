@@ -44,9 +44,10 @@ def options(megatron_args, **overrides) -> argparse.Namespace:
 
 @pytest.fixture
 def user_environ(monkeypatch):
-    """The training job's environment without LoRA / patch flags (the untested-version override kept)."""
+    """The training job's environment without LoRA / patch flags: `preflight_environ`, in this process."""
+    kept = preflight_environ()
     for key in list(os.environ):
-        if (key.startswith("MEGATRON_LORA_") or key == "MEGATRON_PLUGINS") and key != "MEGATRON_LORA_ALLOW_UNTESTED":
+        if key not in kept:
             monkeypatch.delenv(key)
 
 

@@ -81,7 +81,6 @@ def build_hybrid_model(spec: Any, args: argparse.Namespace, config: Any, gpt_lay
     """This rank's HybridModel of `spec` (an `ArgsModelSpec`), built with the arguments Megatron-LM's
     `hybrid_config_from_args` / `HybridModelBuilder` pass; `gpt_layer_spec(num_experts)` gives the local
     GPT layer spec the CPU stack is cut from. Needs parallel_state."""
-    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import LNImpl
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
@@ -98,16 +97,7 @@ def build_hybrid_model(spec: Any, args: argparse.Namespace, config: Any, gpt_lay
         return HybridModel(
             config=config,
             hybrid_stack_spec=stack_spec,
-            vocab_size=spec.padded_vocab_size,
-            max_sequence_length=args.max_position_embeddings,
             hybrid_layer_pattern=args.hybrid_layer_pattern,
-            fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-            parallel_output=True,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            rotary_percent=args.rotary_percent,
-            rotary_base=args.rotary_base,
             seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+            **spec.model_arguments(args),
         )

@@ -31,6 +31,7 @@ import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from megatron_lora_patch.errors import UsageError
+from megatron_lora_patch.proof.testbed.args_hybrid import build_hybrid_model, hybrid_layer_kinds, kept_pattern
 
 DENSE, MOE = "dense", "moe"
 #: What does not run on CPU (fused CUDA kernels: the same math; TE): (argument, value).
@@ -132,8 +133,6 @@ def layer_kinds(args: argparse.Namespace) -> List[str]:
     """The kind of every layer of the user's model: from `--hybrid-layer-pattern` if given, else from
     `--num-experts` and `--moe-layer-freq`."""
     if getattr(args, "hybrid_layer_pattern", None):
-        from megatron_lora_patch.proof.testbed.args_hybrid import hybrid_layer_kinds
-
         return hybrid_layer_kinds(args)
     if not args.num_experts:
         return [DENSE] * args.num_layers
@@ -214,8 +213,6 @@ class ArgsModelSpec:
     def _pattern(self, pp: int) -> Optional[str]:
         if not getattr(self.args, "hybrid_layer_pattern", None):
             return None
-        from megatron_lora_patch.proof.testbed.args_hybrid import kept_pattern
-
         return kept_pattern(self.kinds, pp)
 
     @property
@@ -280,19 +277,22 @@ class ArgsModelSpec:
 
     def build_model(self, topology: Any, seed: int) -> list:
         """This rank's GPTModel or HybridModel (one chunk) with the logical base weights loaded. Needs parallel_state."""
-        from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
 
         args, config = self.run_args(topology), self.config(topology)
         if self.hybrid_pattern:
-            from megatron_lora_patch.proof.testbed.args_hybrid import build_hybrid_model
-
             model = build_hybrid_model(self, args, config, functools.partial(_local_layer_spec, args))
-            load_logical_draw([model], seed, config.init_method_std)
-            return [model]
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=_layer_spec(config, args),
+        else:
+            model = GPTModel(config=config, transformer_layer_spec=_layer_spec(config, args),
+                             rope_scaling=args.use_rope_scaling, **self.model_arguments(args))
+        load_logical_draw([model], seed, config.init_method_std)
+        return [model]
+
+    def model_arguments(self, args: argparse.Namespace) -> dict:
+        """The keyword arguments Megatron-LM's GPT and hybrid model builders both take from the arguments."""
+        from megatron.core import parallel_state
+
+        return dict(
             vocab_size=self.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
@@ -303,10 +303,7 @@ class ArgsModelSpec:
             position_embedding_type=args.position_embedding_type,
             rotary_percent=args.rotary_percent,
             rotary_base=args.rotary_base,
-            rope_scaling=args.use_rope_scaling,
         )
-        load_logical_draw([model], seed, config.init_method_std)
-        return [model]
 
 
 def _layer_spec(config, args: argparse.Namespace):
