@@ -72,14 +72,18 @@ class _UpProjection(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         hidden, lora_b = ctx.saved_tensors
-        flat_grad = _flat(grad_output)
-        grad_hidden = grad_b = None
-        if ctx.needs_input_grad[1]:
-            grad_hidden = torch.mm(flat_grad, lora_b).mul_(ctx.scale).view(hidden.shape)
-        if ctx.needs_input_grad[2]:
-            # (h^T dY)^T, not dY^T h: the [r, out] product streams dY row-major once (2x faster on CPU).
-            grad_b = torch.mm(_flat(hidden).t(), flat_grad).mul_(ctx.scale).t().contiguous()
+        grad_hidden, grad_b = up_projection_grads(grad_output, hidden, lora_b, ctx.scale, *ctx.needs_input_grad[1:3])
         return grad_output if ctx.needs_input_grad[0] else None, grad_hidden, grad_b, None, None
+
+
+def up_projection_grads(grad_output: torch.Tensor, hidden: torch.Tensor, lora_b: torch.Tensor, scale: float,
+                        need_hidden: bool, need_b: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(dh, dB) of `s * h B^T` for the output grad dY (None where not needed)."""
+    flat_grad = _flat(grad_output)
+    grad_hidden = torch.mm(flat_grad, lora_b).mul_(scale).view(hidden.shape) if need_hidden else None
+    # (h^T dY)^T, not dY^T h: the [r, out] product streams dY row-major once (2x faster on CPU).
+    grad_b = torch.mm(_flat(hidden).t(), flat_grad).mul_(scale).t().contiguous() if need_b else None
+    return grad_hidden, grad_b
 
 
 def down_projection(x: torch.Tensor, lora_a: torch.Tensor, mask: Optional[torch.Tensor], dropout: float,

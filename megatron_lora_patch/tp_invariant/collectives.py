@@ -1,4 +1,4 @@
-"""The three collectives of the TP-invariant mode, as autograd functions.
+"""The collectives of the TP-invariant mode.
 
 In this mode every rank computes, redundantly, the world-size-1 value of every tensor
 that a TP reduction would otherwise produce from partial sums. Consequently the gradient
@@ -10,14 +10,11 @@ each collective:
   `[gate_r; up_r]`), or returns `full`, that tensor gathered earlier (`tp_invariant.cache`);
   backward keeps this rank's slice of the (complete) gradient. No reduction: summing the
   identical copies would multiply the grad by the TP size.
-- `local_slice(t, dim, stride, group)`: the dual; forward keeps this rank's shard of a full
-  tensor, backward all-gathers the shard gradients into the full gradient.
-- `owned_by_first_rank(t, group)`: makes Megatron's SUM over TP that follows a row-parallel
-  linear exact: rank 0 contributes the full value, the others zeros (`x + 0 == x`, in any
-  reduction order). Backward is the identity on every rank, because the reduced value IS `t`.
+- `all_gather_logical(t, dim, stride, group)`: the plain gather, also used on the column
+  output grad (`tp_invariant.shares`), whose backward needs the complete grad.
 
-At world size 1 all three are identities (the tensor itself is returned, outside autograd
-functions, so later in-place ops on it stay legal): TP = 1 runs the same GEMMs and losses.
+At world size 1 both are identities (the tensor itself is returned, outside autograd
+functions, so later in-place ops on it stay legal).
 """
 
 from __future__ import annotations
@@ -64,28 +61,6 @@ class _GatherLogical(torch.autograd.Function):
         return _local_shard(grad, ctx.dim, ctx.stride, ctx.group), None, None, None, None
 
 
-class _LocalSlice(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, dim, stride, group):
-        ctx.dim, ctx.stride, ctx.group = dim, stride, group
-        return _local_shard(tensor, dim, stride, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_logical(grad, ctx.dim, ctx.stride, ctx.group), None, None, None
-
-
-class _OwnedByFirstRank(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, group):
-        _, rank = _size_and_rank(group)
-        return tensor if rank == 0 else torch.zeros_like(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 def gather_logical(tensor: torch.Tensor, dim: int, stride: int, group: Any,
                    full: Optional[torch.Tensor] = None) -> torch.Tensor:
     """All-gather to the world-size-1 layout (or `full`, gathered before from the same shards);
@@ -93,17 +68,3 @@ def gather_logical(tensor: torch.Tensor, dim: int, stride: int, group: Any,
     if torch.distributed.get_world_size(group) == 1:
         return tensor
     return _GatherLogical.apply(tensor, dim, stride, group, full)
-
-
-def local_slice(tensor: torch.Tensor, dim: int, stride: int, group: Any) -> torch.Tensor:
-    """This rank's shard of a full tensor; backward: all-gather of the shard grads."""
-    if torch.distributed.get_world_size(group) == 1:
-        return tensor
-    return _LocalSlice.apply(tensor, dim, stride, group)
-
-
-def owned_by_first_rank(tensor: torch.Tensor, group: Any) -> torch.Tensor:
-    """`tensor` on TP rank 0, zeros elsewhere, so a following SUM over TP returns `tensor` bit for bit."""
-    if torch.distributed.get_world_size(group) == 1:
-        return tensor
-    return _OwnedByFirstRank.apply(tensor, group)

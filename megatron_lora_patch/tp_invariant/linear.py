@@ -5,21 +5,22 @@ Installed on `ColumnParallelLinear._forward_impl` / `RowParallelLinear._forward_
 mapping, `gather_output`, the bias and the row reduction; only the matmul changes.
 
 - column: the input (sequence-gathered under SP; its backward then keeps the local
-  slice, since the input grad is complete on every rank) times the gathered full
-  weight, in the TP = 1 layout; the LoRA branch `s * (x A^T) B^T` with the gathered full
-  B. The full output is computed, then the local columns are kept (backward all-gathers
-  the output grad, so the input grad `dy W` and `dy B` run over the full output width in
-  the TP = 1 order: no partial dgrad, no all-reduce / reduce-scatter of it, and the
-  replicated A gets its complete grad on every rank).
+  slice, since the input grad is complete on every rank) times the gathered full weight,
+  in the TP = 1 layout, plus the LoRA branch `s * (x A^T) B^T` with the gathered full B;
+  the rank computes only its own output columns (`tp_invariant.shares`). Backward
+  all-gathers the output grad, so the input grad `dy W` and `dy B` run over the full
+  output width in the TP = 1 order: no partial dgrad, no all-reduce / reduce-scatter of
+  it, and the replicated A gets its complete grad on every rank.
 - row: the input gathered along K, the gathered full weight, and the LoRA branch with
-  the gathered full A: one full-K GEMM per term, the output identical on every rank.
-  Megatron's all-reduce / reduce-scatter that follows is made exact by
-  `owned_by_first_rank`, and the replicated B gets its complete grad on every rank.
+  the gathered full A: full-K GEMMs, each rank computing its share of the output columns
+  into a zero output, so Megatron's SUM that follows assembles the full output exactly;
+  the replicated B gets its complete grad on every rank.
 
-Compute and activation cost: every GEMM runs at full size on every rank (TP times the
-work of a shard). The full weights, biases and LoRA factors are gathered once and cached
-(`tp_invariant.cache`: the frozen base until its shard changes, the factors once per optimizer
-step); only the activations (row input) are gathered per call.
+Compute: forward GEMMs are split across the ranks as in the default mode (in fixed-width
+chunks); backward GEMMs run at full size on every rank (TP times the work of a shard). The
+full weights, biases and LoRA factors are gathered once and cached (`tp_invariant.cache`: the
+frozen base until its shard changes, the factors once per optimizer step); only the
+activations (row input, column output grad) are gathered per call.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from megatron_lora_patch.tp_invariant.cache import cached_gather
-from megatron_lora_patch.tp_invariant.collectives import gather_logical, local_slice, owned_by_first_rank
-from megatron_lora_patch.lora.kernels import add_up_projection, down_projection
+from megatron_lora_patch.tp_invariant.collectives import gather_logical
+from megatron_lora_patch.tp_invariant.shares import owned_columns_linear
+from megatron_lora_patch.lora.kernels import down_projection
 from megatron_lora_patch.lora.linear import adapter_of
 from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
 
@@ -78,21 +79,22 @@ def _check_adapter(adapter: Any) -> None:
         )
 
 
-def _full_linear(total: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 lora: Optional[Tuple[Any, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-    """`total W^T + b` plus, with `lora = (adapter, full A, full B)`, `s (total A^T) B^T`: every
-    contraction over the full dimension in the TP = 1 order, on the 2-D view of `total` (CPU kernels
-    pick their path from the strides, and a size-1 batch dim can carry any stride: TP = 1 and TP = n
-    hand over different ones). The LoRA term uses the same in-place kernels as the default mode
-    (`lora.kernels`): the LoRA input grad accumulates into the base's, the term into the base output."""
+def _share_of_linear(total: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     lora: Optional[Tuple[Any, torch.Tensor, torch.Tensor]], stride: int, group: Any,
+                     keep: bool) -> torch.Tensor:
+    """This rank's share (`tp_invariant.shares`) of `total W^T + b` plus, with `lora = (adapter, full A,
+    full B)`, `s (total A^T) B^T`, every contraction over the full K, on the 2-D view of `total` (CPU
+    kernels pick their path from the strides, and a size-1 batch dim can carry any stride: TP = 1 and
+    TP = n hand over different ones). The down-projection is the default mode's kernel: the LoRA
+    input grad accumulates into the base's in place."""
     flat_input = total.reshape(-1, total.shape[-1])
-    if lora is None:
-        flat = F.linear(flat_input, weight, bias)
-    else:
+    up = None
+    if lora is not None:
         adapter, lora_a, lora_b = lora
         _check_adapter(adapter)
         flat_input, hidden = down_projection(flat_input, lora_a, None, 0.0, fuse_dgrad=True)
-        flat = add_up_projection(F.linear(flat_input, weight, bias), hidden, lora_b, adapter.scale, in_place=True)
+        up = (hidden, lora_b, adapter.scale)
+    flat = owned_columns_linear(flat_input, weight, bias, up, stride, group, keep)
     return flat.view(*total.shape[:-1], flat.shape[-1])
 
 
@@ -110,7 +112,7 @@ def _full_up_weight(layer: Any, adapter: Any, group: Any) -> torch.Tensor:
 
 def column_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   sequence_parallel: bool) -> torch.Tensor:
-    """This rank's output columns, cut from the full world-size-1 output (base + LoRA)."""
+    """This rank's output columns of the world-size-1 output (base + LoRA), computed alone."""
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
     _check_supported(layer)
@@ -124,19 +126,18 @@ def column_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor, bias: O
     full_bias = None if bias is None else cached_gather(bias, 0, stride, group)
     adapter = adapter_of(layer)
     lora = None if adapter is None else (adapter, adapter.A, _full_up_weight(layer, adapter, group))
-    output = _full_linear(total, cached_gather(weight, 0, stride, group), full_bias, lora)
-    return local_slice(output, -1, stride, group)
+    return _share_of_linear(total, cached_gather(weight, 0, stride, group), full_bias, lora, stride, group, keep=True)
 
 
 def row_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The full world-size-1 output (base + LoRA), contributed by TP rank 0 to Megatron's reduction."""
+    """This rank's columns of the world-size-1 output (base + LoRA), zeros elsewhere: Megatron's
+    reduction that follows assembles the full output."""
     _check_supported(layer)
     group = layer.tp_group
     total = gather_logical(input, -1, 1, group)
     adapter = adapter_of(layer)
     lora = None if adapter is None else (adapter, cached_gather(adapter.A, 1, 1, group), adapter.up_weight())
-    output = _full_linear(total, cached_gather(weight, 1, 1, group), None, lora)
-    return owned_by_first_rank(output, group)
+    return _share_of_linear(total, cached_gather(weight, 1, 1, group), None, lora, 1, group, keep=False)
 
 
 def column_forward_impl(wrapped, instance, args, kwargs):
