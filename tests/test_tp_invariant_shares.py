@@ -3,8 +3,11 @@
 Bitwise invariance across TP rests on two properties of `owned_chunks`, checked here for TP 1,
 2, 4, 8 and SwiGLU's stride 2: every TP degree runs the same chunk GEMMs (the same column ranges,
 hence the same shapes), and the chunks a rank owns are exactly Megatron's shard of the output,
-in the shard's order. The numerics across TP degrees are checked end to end by
-tests/test_tp_invariant.py (bitwise TP 1 / 2 / 4 training).
+in the shard's order. The autograd function is checked on gloo worlds of 1 and 2 in float64
+against plain autograd: outputs (column shards, row shares summed) and the complete input,
+weight, bias and LoRA grads on every rank (the weight and bias grads are what full training
+in the mode uses; LoRA training never asks for them). Bitwise equality across TP degrees is
+checked end to end by tests/test_tp_invariant.py (TP 1 / 2 / 4 training).
 """
 
 from __future__ import annotations
