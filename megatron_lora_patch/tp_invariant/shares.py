@@ -48,7 +48,7 @@ def owned_chunks(width: int, stride: int, world: int, rank: int) -> List[Tuple[i
     if width % stride or segments % world:
         raise TPInvariantUnsupported(
             f"tp_invariant: an output of {width} columns (stride {stride}) does not split into whole segments "
-            f"for TP {world}; the mode supports TP degrees dividing {segments} for this layer"
+            f"for TP {world}: run the TP-invariant mode at a TP degree dividing {segments}, or turn tp_invariant off"
         )
     size = part // segments
     mine = range(rank * segments // world, (rank + 1) * segments // world)
@@ -105,4 +105,5 @@ def owned_columns_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     hidden, lora_b, scale = (None, None, 0.0) if lora is None else lora
     chunks = owned_chunks(weight.shape[0], stride, world, rank)
+    keep = keep or world == 1  # at world size 1 the share is the whole output: zeros would only add a pass
     return _OwnedColumnsLinear.apply(x, weight, bias, hidden, lora_b, scale, (chunks, keep, stride, group))
