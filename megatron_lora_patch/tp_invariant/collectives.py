@@ -1,9 +1,9 @@
 """The collectives of the TP-invariant mode.
 
-In this mode every rank computes, redundantly, the world-size-1 value of every tensor
-that a TP reduction would otherwise produce from partial sums. Consequently the gradient
-of such a tensor is complete and identical on every rank, which fixes the backward of
-each collective:
+In this mode every rank holds the world-size-1 value of every tensor that a TP reduction
+would otherwise produce from partial sums (computed whole, or assembled exactly from
+shares: `tp_invariant.shares`). Consequently the gradient of such a tensor is complete
+and identical on every rank, which fixes the backward of each collective:
 
 - `gather_logical(t, dim, stride, group, full=None)`: forward all-gathers the shards and lays
   them out as the world-size-1 tensor (`stride=2`: a SwiGLU fc1 whose shards are

@@ -23,8 +23,9 @@ order, identical on every rank. Forward work is a share, backward work stays ful
 
 from __future__ import annotations
 
+import functools
 from math import gcd
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed
@@ -40,9 +41,11 @@ SEGMENTS = 8
 CHUNK_COLUMNS = 256
 
 
-def owned_chunks(width: int, stride: int, world: int, rank: int) -> List[Tuple[int, int]]:
+@functools.lru_cache(maxsize=None)
+def owned_chunks(width: int, stride: int, world: int, rank: int) -> Tuple[Tuple[int, int], ...]:
     """The `(start, stop)` output columns (world-size-1 layout) TP rank `rank` of `world` computes,
-    in the order of its output shard: a partition of each stride part that no TP degree changes."""
+    in the order of its output shard: a partition of each stride part that no TP degree changes.
+    Cached: every forward call of a layer asks for the same few shapes."""
     part = width // stride
     segments = gcd(part, SEGMENTS)
     if width % stride or segments % world:
@@ -52,9 +55,9 @@ def owned_chunks(width: int, stride: int, world: int, rank: int) -> List[Tuple[i
         )
     size = part // segments
     mine = range(rank * segments // world, (rank + 1) * segments // world)
-    return [(base + start, base + min(start + CHUNK_COLUMNS, size))
-            for base in (p * part + s * size for p in range(stride) for s in mine)
-            for start in range(0, size, CHUNK_COLUMNS)]
+    return tuple((base + start, base + min(start + CHUNK_COLUMNS, size))
+                 for base in (p * part + s * size for p in range(stride) for s in mine)
+                 for start in range(0, size, CHUNK_COLUMNS))
 
 
 def _chunk_output(x, weight, bias, hidden, lora_b, scale, start, stop) -> torch.Tensor:
