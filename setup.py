@@ -1,15 +1,12 @@
-"""Package layout and the start-up hook; everything else is declared in pyproject.toml.
-
-- `patches/` ships inside the package as `megatron_lora_patch.patches` (never as a bare
-  top-level `patches` module); the other subpackages are found automatically.
-- `megatron_lora_patch-init.pth` goes to the wheel root (site-packages): setuptools has no
-  declarative way to place a file there. Editable installs (`pip install -e .`) get it too:
-  without it a training process would get no patch at all.
+"""The one thing pyproject.toml cannot declare: the start-up hook `megatron_lora_patch-init.pth` must
+sit at the wheel's root (site-packages), beside the package, and setuptools has no declarative way to
+put a file there. Editable installs (`pip install -e .`) get it too: without it a training process
+would get no patch at all. Everything else (packages, entry points, data) is in pyproject.toml.
 """
 
 import os
 
-from setuptools import find_packages, setup
+from setuptools import setup
 from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
@@ -36,8 +33,4 @@ class EditableWithStartupHook(editable_wheel):
         self.copy_file(os.path.join(HERE, PTH), os.path.join(installation_dir, PTH))
 
 
-setup(
-    packages=find_packages(include=["megatron_lora_patch", "megatron_lora_patch.*"]) + ["megatron_lora_patch.patches"],
-    package_dir={"megatron_lora_patch.patches": "patches"},
-    cmdclass={"build_py": BuildWithStartupHook, "editable_wheel": EditableWithStartupHook},
-)
+setup(cmdclass={"build_py": BuildWithStartupHook, "editable_wheel": EditableWithStartupHook})

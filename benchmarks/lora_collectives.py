@@ -121,8 +121,8 @@ def _layer(kind: str, variant: str, sequence_parallel: bool):
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from megatron_lora_patch.lora.attach import attach_adapters
     from megatron_lora_patch.lora.config import LoraConfig
+    from megatron_lora_patch.lora.layers.attach import attach_adapters
 
     config = ModelParallelConfig(
         tensor_model_parallel_size=2, sequence_parallel=sequence_parallel, use_cpu_initialization=True
@@ -159,7 +159,7 @@ class _TEBranch(torch.nn.Module):
         self.base, self.adapter, self.kind, self.sequence_parallel = base, adapter, kind, sequence_parallel
 
     def forward(self, x):
-        from megatron_lora_patch.lora import te
+        from megatron_lora_patch.lora.layers import te
 
         term = te.column_term if self.kind == "column" else te.row_term
         output, bias = self.base(x)

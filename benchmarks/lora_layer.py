@@ -52,8 +52,8 @@ def build_pair(hidden: int, rank: int, tp: int, sequence_parallel: bool, sp_inpu
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from megatron_lora_patch.lora.attach import attach_adapters
     from megatron_lora_patch.lora.config import LoraConfig
+    from megatron_lora_patch.lora.layers.attach import attach_adapters
 
     torch.manual_seed(0)
     config = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,

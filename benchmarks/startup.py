@@ -27,9 +27,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 APPLY_TIMING = """
 import time, importlib
 import megatron_lora_patch
-from megatron_lora_patch import lora_correct
-for name in lora_correct.PATCH_MODULES:
-    for module in importlib.import_module('megatron_lora_patch.patches.' + name).SPEC.hooks:
+from megatron_lora_patch.plugins import lora_correct
+for patch in lora_correct.PATCHES:
+    for module in patch.SPEC.hooks:
         try:
             importlib.import_module(module)
         except ImportError:

@@ -75,11 +75,11 @@ def _step_end(step, record, chunks) -> None:
 def _train(spec, topology_text, invariant, steps) -> tuple:
     """One training run of `steps` steps in one mode: (record, time the run started)."""
     import megatron_lora_patch
-    from megatron_lora_patch.tp_invariant import cache
     from megatron_lora_patch.lora.config import LoraConfig, set_active
     from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings, train_steps
     from megatron_lora_patch.proof.testbed.patches import apply_only
     from megatron_lora_patch.proof.testbed.topology import Topology
+    from megatron_lora_patch.tp_invariant import cache
 
     wanted = set(PATCHES) | ({"tp_invariant"} if invariant else set())
     apply_only(wanted)

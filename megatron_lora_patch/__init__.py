@@ -10,7 +10,7 @@ __all__ = ["apply", "revert", "status", "SkipPatch"]
 
 def __getattr__(name: str):  # no `typing` here: this module is on the start-up path
     if name in __all__:
-        from megatron_lora_patch import registry
+        from megatron_lora_patch.runtime import registry
 
         return getattr(registry, name)
     raise AttributeError(f"module 'megatron_lora_patch' has no attribute {name!r}")

@@ -58,7 +58,7 @@ def run_python(python: pathlib.Path, code: str, *, plugins: bool = True, args=()
 def assert_one_line_error(result: subprocess.CompletedProcess, message: str, returncode: int = 1) -> None:
     """The process stopped with exactly one `megatron-lora-patch: error: <message>` line (its last
     stderr line), no traceback, and `returncode` (1: uncaught UsageError; 2: CLI usage error)."""
-    from megatron_lora_patch.errors import PREFIX
+    from megatron_lora_patch.runtime.errors import PREFIX
 
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == returncode, (result.returncode, result.stderr[-3000:])

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from megatron_lora_patch.lora.layouts import fc1_to_gate_up, qkv_mixed_to_separate
+from megatron_lora_patch.lora.adapters.layouts import fc1_to_gate_up, qkv_mixed_to_separate
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec, logical_state_dict
 
 MEGATRON_NORM_EPS = 1e-5  # TransformerConfig.layernorm_epsilon default

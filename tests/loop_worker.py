@@ -34,12 +34,12 @@ def testbed_weights(tensors: dict, spec) -> dict:
 
 
 def logits_world(rank: int, world: int, spec, weights: dict, checkpoint_dir: str, rank_of_lora: int) -> torch.Tensor:
-    from megatron_lora_patch.lora.checkpoint import load_adapters
+    from persistence_worker import full_logits, setup
+
+    from megatron_lora_patch.lora.checkpoints.checkpoint import load_adapters
     from megatron_lora_patch.lora.config import LoraConfig
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
-
-    from persistence_worker import full_logits, setup
 
     setup(LoraConfig(rank=rank_of_lora))
     topology = Topology.parse("tp1")

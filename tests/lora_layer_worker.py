@@ -15,7 +15,6 @@ import zlib
 from typing import Any, Dict
 
 import torch
-
 from error_metrics import max_abs_error_over_max
 
 SEQ, BATCH, HIDDEN, FFN = 8, 2, 16, 24
@@ -72,7 +71,7 @@ class _Shards:
     expert: bool
 
     def tp(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        from megatron_lora_patch.lora.layouts import shard
+        from megatron_lora_patch.lora.adapters.layouts import shard
 
         return shard(tensor, dim, self.rank, self.size)
 
@@ -106,7 +105,7 @@ def _run(shards: _Shards, module, column: bool, x, upstream, y_ref, dx_ref):
 
 def _adapter_grads(shards: _Shards, module, column: bool):
     """dA, dB of the layer's adapter (replicated ones SUMmed over TP, as finalize does) after checking its metadata."""
-    from megatron_lora_patch.lora.metadata import adapter_info
+    from megatron_lora_patch.lora.adapters.metadata import adapter_info
 
     adapter = module.lora
     grad_a, grad_b = adapter.A.grad.clone(), adapter.B.grad.clone()
@@ -124,7 +123,7 @@ def _adapter_grads(shards: _Shards, module, column: bool):
 
 def _layer_errors(shards: _Shards, lora, name: str, module, in_f: int, out_f: int) -> Dict[str, float]:
     """Max-abs errors (over max) of one layer's output, input grad, factor grads and init vs the dense math."""
-    from megatron_lora_patch.lora.init import logical_factors
+    from megatron_lora_patch.lora.adapters.init import logical_factors
 
     column = name == "fc1"
     weight = _logical(name + ".weight", out_f, in_f)
@@ -153,8 +152,8 @@ def check_layers(rank: int, world: int, topology_spec: str, expert: bool, sp_inp
     from megatron.core import parallel_state
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    from megatron_lora_patch.lora.attach import attach_adapters
     from megatron_lora_patch.lora.config import LoraConfig
+    from megatron_lora_patch.lora.layers.attach import attach_adapters
     from megatron_lora_patch.proof.testbed.topology import Topology
 
     apply_lora_linear()

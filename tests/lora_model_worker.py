@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Dict, List
 
 import torch
-
 from error_metrics import max_abs_error_over_max
+
 from megatron_lora_patch.lora.config import LoraConfig
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 
@@ -65,7 +65,7 @@ def build(spec: TinyGPTSpec, topology, lora: LoraConfig = LORA, **overrides):
 
 def adapters(model) -> Dict[str, object]:
     """local module name -> LoraAdapter."""
-    from megatron_lora_patch.lora.adapter import LoraAdapter
+    from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
 
     return {name: module for name, module in model.named_modules() if isinstance(module, LoraAdapter)}
 
@@ -115,8 +115,8 @@ def qkv_errors(model, spec: TinyGPTSpec) -> Dict[str, float]:
     q/k/v by `qkv_mixed_to_separate`; the actual side is what Megatron's
     `get_query_key_value_tensors` hands to attention (heads gathered over TP).
     """
-    from megatron_lora_patch.lora.init import logical_factors
-    from megatron_lora_patch.lora.layouts import qkv_mixed_to_separate
+    from megatron_lora_patch.lora.adapters.init import logical_factors
+    from megatron_lora_patch.lora.adapters.layouts import qkv_mixed_to_separate
     from megatron_lora_patch.proof.testbed.models import logical_state_dict
 
     attention = model.decoder.layers[0].self_attention
@@ -161,7 +161,7 @@ def merged_error(model, spec: TinyGPTSpec, topology) -> float:
     this checks that every adapter's B rows sit on the base's output rows on every rank
     (mixed QKV, SwiGLU `[gate_shard; up_shard]`) and A's columns on its input columns.
     """
-    from megatron_lora_patch.lora.init import logical_factors
+    from megatron_lora_patch.lora.adapters.init import logical_factors
     from megatron_lora_patch.proof.testbed.models import logical_state_dict
 
     merged = logical_state_dict(spec)
@@ -235,7 +235,7 @@ def freeze_report(model, *, step: bool) -> Dict[str, object]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_lora_patch.lora.metadata import adapter_info
+    from megatron_lora_patch.lora.adapters.metadata import adapter_info
 
     names = {id(param): name for name, param in model.named_parameters()}
     report = {

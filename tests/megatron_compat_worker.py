@@ -61,7 +61,7 @@ def gpt_recompute_grads(spec, topology, tokens) -> Dict[str, float]:
 
 def gtp_message(spec, topology) -> str:
     """The error building a GPT model with GTP on (`tensor_parallel_num_weight_shards` = 2 x TP)."""
-    from megatron_lora_patch.lora.unsupported import UnsupportedModelError
+    from megatron_lora_patch.lora.layers.unsupported import UnsupportedModelError
 
     try:
         models.build_model(spec, topology, tensor_parallel_num_weight_shards=2)
@@ -95,8 +95,9 @@ def tp_invariant_loss_error(topology) -> float:
 
 
 def world1(rank: int, world_size: int) -> Dict[str, Any]:
-    import megatron_lora_patch
     from megatron.core.model_parallel_config import ModelParallelConfig
+
+    import megatron_lora_patch
     from megatron_lora_patch.proof.testbed.data import cp_sequence_positions
     from megatron_lora_patch.proof.testbed.topology import Topology
 

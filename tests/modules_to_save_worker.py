@@ -7,11 +7,10 @@ the testbed's own slicing, independent of the import code); the parent assembles
 
 from __future__ import annotations
 
+import persistence_worker as persistence
 import torch
 
-import persistence_worker as persistence
 from megatron_lora_patch.proof.testbed.models import DEFAULT_SEED, logical_state_dict
-
 
 
 def trained_names(spec) -> tuple:
@@ -29,7 +28,7 @@ def trained_state_dict(spec) -> dict:
 
 
 def _trained_shards(chunks) -> list:
-    from megatron_lora_patch.lora.trained_fully import is_trained_fully
+    from megatron_lora_patch.lora.layers.trained_fully import is_trained_fully
     from megatron_lora_patch.proof.testbed.shards import canonical_items
 
     return canonical_items(chunks, lambda param: param if is_trained_fully(param) else None)
@@ -37,7 +36,7 @@ def _trained_shards(chunks) -> list:
 
 def export_world(rank: int, world: int, topology: str, spec, seed: int, directory: str, options: dict) -> dict:
     """Full-vocabulary logits of the trained model, and its adapter-only checkpoint."""
-    from megatron_lora_patch.lora.checkpoint import save_adapters
+    from megatron_lora_patch.lora.checkpoints.checkpoint import save_adapters
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
 
@@ -52,8 +51,8 @@ def export_world(rank: int, world: int, topology: str, spec, seed: int, director
 def import_world(rank: int, world: int, topology: str, spec, peft_dir: str, directory: str, options: dict) -> dict:
     """Import the PEFT adapter into a base model (other adapters), save it adapter-only, then load that
     checkpoint into a third model: the fully trained shards after import and after the reload."""
-    from megatron_lora_patch.lora.checkpoint import load_adapters, save_adapters
-    from megatron_lora_patch.lora.peft_io import import_peft
+    from megatron_lora_patch.lora.checkpoints.checkpoint import load_adapters, save_adapters
+    from megatron_lora_patch.lora.exchange.transfer import import_peft
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
 

@@ -35,7 +35,7 @@ def local_adapters(chunks) -> List[dict]:
     """Every local adapter's shard and position, as picklable data."""
     from megatron.core.utils import get_pg_rank, get_pg_size
 
-    from megatron_lora_patch.lora.checkpoint import adapters_of
+    from megatron_lora_patch.lora.checkpoints.checkpoint import adapters_of
 
     return [
         {
@@ -53,7 +53,7 @@ def local_adapters(chunks) -> List[dict]:
 
 def assemble(rank_results: List[List[dict]]) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
     """Logical (A, B) per module from all ranks' `local_adapters`; replicas must agree bitwise."""
-    from megatron_lora_patch.lora.layouts import unshard
+    from megatron_lora_patch.lora.adapters.layouts import unshard
 
     by_name: Dict[str, Dict[int, dict]] = {}
     for entries in rank_results:
@@ -94,8 +94,8 @@ def expected_logical(spec, config: LoraConfig) -> Dict[str, Tuple[torch.Tensor, 
     """The logical init of every adapter of `spec`, from (seed, name, expert) alone."""
     from types import SimpleNamespace
 
-    from megatron_lora_patch.lora.init import logical_factors
-    from megatron_lora_patch.lora.projections import projection_rows
+    from megatron_lora_patch.lora.adapters.init import logical_factors
+    from megatron_lora_patch.lora.adapters.projections import projection_rows
 
     hidden, kv = spec.hidden_size, spec.kv_channels
     fused = SimpleNamespace(kv_channels=kv, num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
@@ -117,7 +117,7 @@ def expected_logical(spec, config: LoraConfig) -> Dict[str, Tuple[torch.Tensor, 
 
 def save_world(rank: int, world: int, topology: str, spec, seed: int, directory: str, patches=PATCHES) -> List[dict]:
     """Build with adapters of `seed`, write an adapter-only checkpoint; return the local adapters."""
-    from megatron_lora_patch.lora.checkpoint import save_adapters
+    from megatron_lora_patch.lora.checkpoints.checkpoint import save_adapters
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
 
@@ -134,7 +134,7 @@ def load_world(rank: int, world: int, topology: str, spec, directories: List[str
     With `bad_rank_dir`, also load that checkpoint into rank-8 and into separate-projection adapters and
     return the two error texts.
     """
-    from megatron_lora_patch.lora.checkpoint import load_adapters
+    from megatron_lora_patch.lora.checkpoints.checkpoint import load_adapters
     from megatron_lora_patch.lora.config import set_active
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
@@ -180,8 +180,8 @@ def full_logits(model, spec) -> torch.Tensor:
 def export_and_merge_world(rank: int, world: int, topology: str, spec, seed: int, directory: str, options=None) -> dict:
     """Logits with adapters, an adapter-only checkpoint, then logits merged / unmerged and the weight drift
     (`options`: LoraConfig fields beyond the defaults, e.g. rsLoRA and rank / alpha patterns)."""
-    from megatron_lora_patch.lora.checkpoint import save_adapters
-    from megatron_lora_patch.lora.merge import merge_adapters, unmerge_adapters
+    from megatron_lora_patch.lora.adapters.merge import merge_adapters, unmerge_adapters
+    from megatron_lora_patch.lora.checkpoints.checkpoint import save_adapters
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
 
@@ -207,8 +207,8 @@ def export_and_merge_world(rank: int, world: int, topology: str, spec, seed: int
 
 def import_and_save_world(rank: int, world: int, topology: str, spec, peft_dir: str, directory: str, options=None) -> List[dict]:
     """Import a PEFT adapter into fresh adapters (another seed; `options` as when exported) and write an adapter-only checkpoint."""
-    from megatron_lora_patch.lora.checkpoint import save_adapters
-    from megatron_lora_patch.lora.peft_io import import_peft
+    from megatron_lora_patch.lora.checkpoints.checkpoint import save_adapters
+    from megatron_lora_patch.lora.exchange.transfer import import_peft
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
 
@@ -243,10 +243,10 @@ def overwrite_world(rank: int, world: int, topology: str, spec, seed: int, root:
 
     from megatron.core import dist_checkpointing
 
-    from megatron_lora_patch.errors import UsageError
-    from megatron_lora_patch.lora.checkpoint import adapters_of, is_adapter_key, save_adapters
+    from megatron_lora_patch.lora.checkpoints.checkpoint import adapters_of, is_adapter_key, save_adapters
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
+    from megatron_lora_patch.runtime.errors import UsageError
 
     setup(lora_config(seed))
     paths = {name: os.path.join(root, name) for name in ("base", "adapters", "replaced")}

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_lora_patch.proof.testbed.driver import TrainSettings
-
 import persistence_worker
+
+from megatron_lora_patch.proof.testbed.driver import TrainSettings
 
 TRAINING_PATCHES = persistence_worker.PATCHES + ("finalize_grads", "loss_normalization")
 SETTINGS = TrainSettings(global_batch_size=4, lr=1e-2)
@@ -98,7 +98,7 @@ def train_and_save_world(rank: int, world: int, topology: str, spec, lora_seed: 
     an adapter-only checkpoint in `adapters_dir`, and the local adapters."""
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron_lora_patch.lora.checkpoint import save_adapters
+    from megatron_lora_patch.lora.checkpoints.checkpoint import save_adapters
     from megatron_lora_patch.proof.testbed import driver
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology

@@ -6,7 +6,6 @@ import json
 import pathlib
 
 import pytest
-
 from conftest import run_python
 
 LOADED = (
@@ -29,7 +28,8 @@ def test_unset_means_nothing_imported(installed_python):
 def test_set_imports_only_the_stdlib_bootstrap_until_megatron(installed_python):
     assert loaded_modules(installed_python, MEGATRON_PLUGINS="demo") == [
         "megatron_lora_patch",
-        "megatron_lora_patch._bootstrap",
+        "megatron_lora_patch.runtime",
+        "megatron_lora_patch.runtime.bootstrap",
     ]
 
 

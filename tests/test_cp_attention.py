@@ -22,11 +22,11 @@ import functools
 
 import pytest
 import torch
-
 from error_metrics import relative_l2_error
+
+from megatron_lora_patch.proof.oracle.metrics import compare_results
 from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
-from megatron_lora_patch.proof.oracle.metrics import compare_results
 from megatron_lora_patch.proof.testbed.runner import Job, canonical_result, run_jobs
 
 #: fp32 tolerance (relative L2 per tensor, worst over tensors, microbatches and steps) on

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-
 import pytest
-
+import torch
 from error_metrics import relative_l2_error
+
 from megatron_lora_patch.proof.testbed.launcher import WorldError, run_world
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec, logical_shapes
 from megatron_lora_patch.proof.testbed.shards import assemble_logical
@@ -121,9 +120,9 @@ def tp2_sp_grads(rank, world_size, topology_spec, skip_hook=None, strip_norm_tag
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     from megatron_lora_patch.patches import cpu_compat
-    from megatron_lora_patch.patching import Patcher
     from megatron_lora_patch.proof.testbed import models, shards
     from megatron_lora_patch.proof.testbed.topology import Topology
+    from megatron_lora_patch.runtime.patching import Patcher
 
     patcher = Patcher()  # the patch's megatron.core hooks minus `skip_hook`, applied by hand
     for module_name, hook in cpu_compat.SPEC.hooks.items():

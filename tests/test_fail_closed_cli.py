@@ -11,17 +11,16 @@ from __future__ import annotations
 import os
 import pathlib
 
+import persistence_worker as worker
 import pytest
+from conftest import assert_one_line_error, run_fresh
 from safetensors.torch import load_file
 
 from megatron_lora_patch import cli
-from megatron_lora_patch.errors import PREFIX
-from megatron_lora_patch.lora import peft as peft_format
+from megatron_lora_patch.lora.exchange import names as peft_names
 from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
-
-import persistence_worker as worker
-from conftest import assert_one_line_error, run_fresh
+from megatron_lora_patch.runtime.errors import PREFIX
 
 SEED = 31
 SPEC = TinyGPTSpec()
@@ -77,7 +76,7 @@ def test_empty_checkpoint_argument(tmp_path):
 def test_base_model_checkpoint_has_no_adapters(saved, tmp_path):
     message = (
         f"--checkpoint {saved['base']} holds no megatron-lora-patch adapters (a base-model checkpoint?); "
-        "write one with megatron_lora_patch.lora.checkpoint.save_adapters"
+        "write one with megatron_lora_patch.lora.checkpoints.checkpoint.save_adapters"
     )
     assert_one_line_error(export(saved["base"], tmp_path / "out"), message, 2)
 
@@ -165,7 +164,7 @@ def test_save_adapters_refuses_a_base_checkpoint_and_leaves_it_intact(saved):
 def test_save_adapters_overwrite_replaces_the_old_checkpoint(saved, tmp_path):
     done = export(saved["replaced"], tmp_path / "peft")
     assert done.returncode == 0, done.stderr[-3000:]
-    first, second = load_file(saved["peft"] / peft_format.WEIGHTS_NAME), load_file(tmp_path / "peft" / peft_format.WEIGHTS_NAME)
+    first, second = load_file(saved["peft"] / peft_names.WEIGHTS_NAME), load_file(tmp_path / "peft" / peft_names.WEIGHTS_NAME)
     assert first.keys() == second.keys() and len(first) == PEFT_TENSORS
     for key, value in first.items():
         factor = 2 if ".lora_B." in key else 1
@@ -180,7 +179,7 @@ def test_user_error_in_process_is_one_line_exit_2(tmp_path, capsys):
 @pytest.mark.parametrize("bug", [ValueError("bad value"), KeyError("layer"), RuntimeError("boom")])
 def test_internal_bugs_keep_their_traceback(monkeypatch, tmp_path, bug):
     """Only UsageError becomes one line: a ValueError / KeyError raised by a bug propagates (was swallowed)."""
-    from megatron_lora_patch.lora import peft_io
+    from megatron_lora_patch.lora.exchange import transfer as peft_io
 
     def broken(*args, **kwargs):
         raise bug

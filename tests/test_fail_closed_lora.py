@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import assert_one_line_error, run_fresh
-from megatron_lora_patch.errors import UsageError
+
 from megatron_lora_patch.lora import config as lora_config
-from megatron_lora_patch.lora.attach import _whole_model_names
+from megatron_lora_patch.lora.layers.attach import _whole_model_names
+from megatron_lora_patch.runtime.errors import UsageError
 
 # What a user's process does to activate the plugin by hand (the start-up hook does the same on
 # `import megatron`); nothing catches the error, so it is the plugin's excepthook that prints it.
@@ -224,7 +224,7 @@ def fresh_config(monkeypatch):
 
 
 def test_configure_hook_raises_a_usage_error(fresh_config):
-    from megatron_lora_patch import lora_correct
+    from megatron_lora_patch.plugins import lora_correct
 
     fresh_config.setenv("MEGATRON_LORA_RANK", "abc")
     with pytest.raises(UsageError) as raised:
@@ -234,7 +234,7 @@ def test_configure_hook_raises_a_usage_error(fresh_config):
 
 
 def test_one_parse_at_activation_is_what_the_model_build_uses(fresh_config):
-    from megatron_lora_patch import lora_correct
+    from megatron_lora_patch.plugins import lora_correct
 
     fresh_config.setenv("MEGATRON_LORA_RANK", "4")
     lora_correct.megatron_lora_patch_configure()
@@ -244,7 +244,7 @@ def test_one_parse_at_activation_is_what_the_model_build_uses(fresh_config):
 
 
 def test_plugin_declares_every_variable_it_reads():
-    from megatron_lora_patch import lora_correct
+    from megatron_lora_patch.plugins import lora_correct
 
     assert lora_correct.megatron_lora_patch_env_variables() == [
         "MEGATRON_LORA_CONFIG",

@@ -13,13 +13,13 @@ import pathlib
 import textwrap
 
 import pytest
-
 from conftest import assert_one_line_error, run_fresh
-from megatron_lora_patch.errors import UsageError
+
 from megatron_lora_patch.proof.oracle import harness
 from megatron_lora_patch.proof.oracle.metrics import PhaseMetrics, compare_tensors
 from megatron_lora_patch.proof.oracle.mutations import MUTATIONS
 from megatron_lora_patch.proof.testbed.topology import TopologyError
+from megatron_lora_patch.runtime.errors import UsageError
 
 ORACLE = ["-m", "megatron_lora_patch", "oracle"]
 TP3 = (
@@ -196,9 +196,8 @@ def test_steps_10_passes_on_tp2_quietly_with_a_titled_table(tmp_path):
 
 
 def warning_rank(rank: int, world_size: int) -> int:
-    import warnings
-
     import logging
+    import warnings
 
     warnings.warn("megatron-style start-up noise")
     logging.getLogger("megatron.core.models.gpt.gpt_model").warning("GPTModel-style deprecation notice")

@@ -16,7 +16,6 @@ import json
 import pathlib
 
 import pytest
-
 from conftest import PLUGIN_FIXTURES, assert_one_line_error, run_fresh
 
 BOOLEANS = "1, true, yes, on, 0, false, no, off"
@@ -122,7 +121,7 @@ def test_unknown_variable_without_a_close_name_lists_the_known_ones():
 
 
 def test_lora_variable_typo_suggests_the_lora_variable():
-    from megatron_lora_patch import registry
+    from megatron_lora_patch.runtime import registry
 
     runtime = registry.Runtime()
     runtime._load_plugin("lora_correct")
@@ -135,7 +134,7 @@ def test_lora_variable_typo_suggests_the_lora_variable():
 
 
 def test_unknown_plugin_without_a_close_name_lists_the_installed_ones():
-    from megatron_lora_patch.registry import installed_plugins
+    from megatron_lora_patch.runtime.registry import installed_plugins
 
     result = run_fresh(IMPORT, MEGATRON_PLUGINS="lora_correct,zzz")
     assert_one_line_error(
@@ -208,7 +207,7 @@ def test_checkout_over_an_installed_wheel_is_detected_when_activated_first(tmp_p
 
 
 def test_checkout_over_an_installed_wheel_is_detected_when_imported_first(tmp_path):
-    code = ("import megatron.core, megatron_lora_patch, megatron_lora_patch.errors as errors\n"
+    code = ("import megatron.core, megatron_lora_patch, megatron_lora_patch.runtime.errors as errors\n"
             "errors.install_excepthook()\n"
             "megatron_lora_patch.apply(['lora_correct'])\n")
     result = run_fresh(["-c", code], PYTHONPATH=fake_megatron(tmp_path, "0.99.0"))

@@ -13,8 +13,8 @@ import logging
 
 import pytest
 import torch
-
 from error_metrics import assert_all_within, fp32_sum_tolerance, relative_l2_error
+
 from megatron_lora_patch.proof.testbed.launcher import run_world
 
 IN, HIDDEN, OUT, RANK_R = 6, 8, 5, 2
@@ -88,7 +88,7 @@ class TinyLoRAPair(torch.nn.Module):
         from megatron.core.enums import ModelType
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-        from megatron_lora_patch.lora.metadata import AdapterParamInfo, tag
+        from megatron_lora_patch.lora.adapters.metadata import AdapterParamInfo, tag
 
         tp_group = parallel_state.get_tensor_model_parallel_group()
         tp, rank = tp_group.size(), tp_group.rank()
@@ -250,7 +250,7 @@ def grad_norm_of(model, config) -> float:
 
 def count_extension_all_reduces(model) -> int:
     """all_reduce calls of one extension pass (the step's grads are recorded already)."""
-    from megatron_lora_patch.lora.grad_sync import sum_replicated_adapter_grads
+    from megatron_lora_patch.lora.training.grad_sync import sum_replicated_adapter_grads
 
     calls = []
     original = torch.distributed.all_reduce
@@ -269,8 +269,8 @@ def mixed_dtype_buckets() -> dict:
     EP = 1), so it joins the fp32 TP bucket (one all-reduce per distinct ranks, not per group object)."""
     from megatron.core import parallel_state
 
-    from megatron_lora_patch.lora.grad_sync import sum_replicated_adapter_grads
-    from megatron_lora_patch.lora.metadata import AdapterParamInfo, tag
+    from megatron_lora_patch.lora.adapters.metadata import AdapterParamInfo, tag
+    from megatron_lora_patch.lora.training.grad_sync import sum_replicated_adapter_grads
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     expert_tp_group = parallel_state.get_expert_tensor_parallel_group()

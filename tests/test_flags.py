@@ -2,8 +2,8 @@
 
 import pytest
 
-from megatron_lora_patch import flags, registry, versions
-from megatron_lora_patch.flags import FlagError
+from megatron_lora_patch.runtime import flags, registry, versions
+from megatron_lora_patch.runtime.flags import FlagError
 
 KNOWN = "demo_broken, demo_future, demo_optional, demo_shout, demo_upstream"
 BOOLEANS = "1, true, yes, on, 0, false, no, off"

@@ -1,10 +1,11 @@
-"""The package's import graph has layers with arrows only downward (docs/architecture.md section 2).
+"""The package's import graph has layers with arrows only downward and no cycle (docs/architecture.md
+section 2).
 
-registry (bootstrap, hookspecs, flags, versions, ...) < library (LoRA math, TP-invariant mode,
-CPU host fixes) < patches and plugins < proof (testbed < oracle) < CLI. A module may import its
-own layer or a lower one; the registry never imports LoRA, nothing below the proof imports it.
-Read from the source with `ast` (imports inside functions count too), so a lazy import cannot
-hide an upward arrow.
+runtime (bootstrap, registry, hookspecs, flags, versions, ...) < LoRA config and adapter math < LoRA on
+layers and training < checkpoints < PEFT exchange < TP-invariant mode < integrations (the wrappers) <
+patch declarations and plugins < proof (testbed < oracle) < CLI. A module may import its own layer or
+a lower one; the runtime never imports LoRA, nothing below the proof imports it. Read from the source
+with `ast` (imports inside functions count too), so a lazy import cannot hide an upward arrow.
 """
 
 from __future__ import annotations
@@ -17,28 +18,33 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "megatron_lora_patch"
 
-#: First component under the package -> layer rank (higher may import lower).
+#: Module prefix under the package -> layer rank (higher may import lower); longest prefix wins.
 LAYERS = {
-    "registry": 0, "hookspecs": 0, "outcomes": 0, "patching": 0, "flags": 0, "versions": 0, "errors": 0,
-    "_bootstrap": 0, "__init__": 0, "apply": 0, "revert": 0, "status": 0, "SkipPatch": 0,
-    "lora": 1, "tp_invariant": 1, "cpu_testbed": 1, "null_tokenizer_eod": 1,
-    "patches": 2, "lora_correct": 2,
-    "proof.testbed": 3, "proof.oracle": 4, "proof": 4,
-    "cli": 5, "cli_status": 5, "cli_export": 5, "__main__": 5,
+    "__init__": 0, "runtime": 0, "apply": 0, "revert": 0, "status": 0, "SkipPatch": 0,
+    "lora.config": 1, "lora.adapters": 1, "cpu_testbed": 1,
+    "lora.layers": 2, "lora.training": 2,
+    "lora.checkpoints": 3,
+    "lora.exchange": 4,
+    "lora": 4, "tp_invariant": 5,
+    "integrations": 6,
+    "patches": 7, "plugins": 7,
+    "proof.testbed": 8, "proof.oracle": 9, "proof": 9,
+    "cli": 10, "__main__": 10,
 }
 
 
 def _layer(module: str) -> int:
     parts = module.split(".")[1:] or ["__init__"]
-    key = ".".join(parts[:2]) if parts[0] == "proof" and len(parts) > 1 else parts[0]
-    return LAYERS[key]
+    for length in range(len(parts), 0, -1):
+        key = ".".join(parts[:length])
+        if key in LAYERS:
+            return LAYERS[key]
+    raise KeyError(f"{module}: no layer declared in tests/test_layers.py LAYERS")
 
 
 def _modules():
     for path in sorted((ROOT / PACKAGE).rglob("*.py")):
         yield ".".join(path.relative_to(ROOT).with_suffix("").parts), path
-    for path in sorted((ROOT / "patches").glob("*.py")):
-        yield f"{PACKAGE}.patches.{path.stem}", path
 
 
 def _imports(module: str, path: pathlib.Path):
@@ -51,8 +57,13 @@ def _imports(module: str, path: pathlib.Path):
             source = ".".join(filter(None, [base, node.module]))
             if source == PACKAGE:  # `from megatron_lora_patch import x`: x names the module
                 yield from (f"{PACKAGE}.{alias.name}" for alias in node.names)
-            elif source.startswith(PACKAGE):
-                yield source
+            elif source.startswith(PACKAGE):  # `from pkg import mod` imports pkg.mod where that is a module
+                yield from (_submodule(source, alias.name) for alias in node.names)
+
+
+def _submodule(source: str, name: str) -> str:
+    candidate = ROOT.joinpath(*f"{source}.{name}".split("."))
+    return f"{source}.{name}" if candidate.with_suffix(".py").exists() or candidate.is_dir() else source
 
 
 def _upward(module: str, path: pathlib.Path):
@@ -68,13 +79,67 @@ def test_every_import_points_down_or_sideways():
     "line",
     [
         "from megatron_lora_patch.proof.oracle import harness",
-        "from .lora import adapter",
-        "    import megatron_lora_patch.cli_export",
-        "from megatron_lora_patch import lora_correct",
+        "from ..lora.adapters import kernels",
+        "    import megatron_lora_patch.cli.export",
+        "from megatron_lora_patch.plugins import lora_correct",
     ],
 )
 def test_an_upward_import_is_seen(tmp_path, line):
     """Negative control: the same check flags an upward import written into a registry module."""
     source = tmp_path / "registry.py"
     source.write_text(f"def later():\n    pass\n\nif True:\n{line if line.startswith(' ') else '    ' + line}\n")
-    assert _upward("megatron_lora_patch.registry", source) != []
+    assert _upward("megatron_lora_patch.runtime.registry", source) != []
+
+
+def _module_graph() -> dict:
+    known = {module for module, _ in _modules()}
+    graph = {}
+    for module, path in _modules():
+        targets = set()
+        for target in _imports(module, path):
+            while target not in known and "." in target:  # `from pkg.mod import name` -> pkg.mod
+                target = target.rsplit(".", 1)[0]
+            if target in known and target != module:
+                targets.add(target)
+        graph[module] = targets
+    return graph
+
+
+def _cycles(graph: dict) -> list:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle():
+    assert _cycles(_module_graph()) == []
+
+
+def test_a_cycle_is_seen():
+    """Negative control: two modules importing each other form one component."""
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from megatron_lora_patch.errors import UsageError
 from megatron_lora_patch.lora.config import DEFAULT_TARGETS, LoraConfig, LoraConfigError
+from megatron_lora_patch.runtime.errors import UsageError
 
 
 def test_defaults_and_scale():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lora_patch.lora.kernels import add_up_projection, down_projection
+from megatron_lora_patch.lora.adapters.kernels import add_up_projection, down_projection
 
 TOLERANCE = 1e-12
 TOKENS, IN, OUT, RANK, SCALE = 6, 5, 7, 3, 0.75

@@ -7,13 +7,12 @@ error relative to the reference's largest magnitude below 1e-6; measured <= ~3e-
 
 from __future__ import annotations
 
+import lora_layer_worker
 import pytest
-
 from error_metrics import assert_errors_within
+
 from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.proof.testbed.topology import Topology
-
-import lora_layer_worker
 
 TOLERANCE = 1e-6
 

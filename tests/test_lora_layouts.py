@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 
-from megatron_lora_patch.lora.config import LoraConfig
-from megatron_lora_patch.lora.init import logical_factors
-from megatron_lora_patch.lora.layouts import (
+from megatron_lora_patch.lora.adapters.init import logical_factors
+from megatron_lora_patch.lora.adapters.layouts import (
     fc1_to_gate_up,
     gate_up_to_fc1,
     qkv_mixed_to_separate,
@@ -17,6 +16,7 @@ from megatron_lora_patch.lora.layouts import (
     shard,
     unshard,
 )
+from megatron_lora_patch.lora.config import LoraConfig
 
 
 def test_logical_factors_depend_only_on_seed_name_expert():

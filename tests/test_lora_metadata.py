@@ -2,9 +2,9 @@
 
 import torch
 
-from megatron_lora_patch import registry
-from megatron_lora_patch.lora.metadata import AdapterParamInfo, adapter_info, tag
-from megatron_lora_patch.lora_correct import PATCH_MODULES
+from megatron_lora_patch.lora.adapters.metadata import AdapterParamInfo, adapter_info, tag
+from megatron_lora_patch.plugins.lora_correct import PATCH_NAMES
+from megatron_lora_patch.runtime import registry
 
 
 def test_fp32_main_copy_keeps_adapter_metadata():
@@ -12,7 +12,7 @@ def test_fp32_main_copy_keeps_adapter_metadata():
     import megatron.core.tensor_parallel as tensor_parallel
 
     runtime = registry.Runtime()
-    runtime.apply(["lora_correct"], enable={name: name == "lora_linear" for name in PATCH_MODULES})
+    runtime.apply(["lora_correct"], enable={name: name == "lora_linear" for name in PATCH_NAMES})
     try:
         factor = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.bfloat16))
         info = AdapterParamInfo("decoder.layers.0.mlp.experts.linear_fc2", "B", True, "expert_tp", None, True)

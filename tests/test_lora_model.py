@@ -18,15 +18,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import lora_model_worker as worker
 import pytest
 import torch
+from error_metrics import assert_errors_within
 
-from megatron_lora_patch.lora.layouts import unshard
+from megatron_lora_patch.lora.adapters.layouts import unshard
 from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.proof.testbed.topology import Topology
-
-import lora_model_worker as worker
-from error_metrics import assert_errors_within
 
 TOLERANCE = 1e-6  # max_abs_error_over_max in fp32
 QKV_ERRORS = ("q", "k", "v", "mixed_q", "mixed_k", "mixed_v")  # separate q/k/v, then rows of the mixed layout

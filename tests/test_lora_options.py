@@ -10,13 +10,13 @@ import math
 
 import pytest
 import torch
-
 from conftest import assert_one_line_error, run_fresh
-from megatron_lora_patch.lora import peft
-from megatron_lora_patch.lora.config import LoraConfig, LoraConfigError
-from megatron_lora_patch.lora.peft import PeftFormatError
 from test_fail_closed_lora import BUILD
 from test_persistence_peft_errors import DESCRIPTION, SHAPES
+
+from megatron_lora_patch.lora.config import LoraConfig, LoraConfigError
+from megatron_lora_patch.lora.exchange import peft
+from megatron_lora_patch.lora.exchange.names import PeftFormatError
 
 FC1 = "decoder.layers.1.mlp.linear_fc1"
 EXPERT_FC1 = "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1"

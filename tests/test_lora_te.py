@@ -1,4 +1,4 @@
-"""LoRA on Transformer Engine linears (megatron_lora_patch.lora.te).
+"""LoRA on Transformer Engine linears (megatron_lora_patch.lora.layers.te).
 
 Two parts:
 - The TE-path LoRA branch (`te.column_term` / `te.row_term`, with their own rank-r
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from error_metrics import assert_errors_within, max_abs_error_over_max
+
 from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.proof.testbed.topology import Topology
 
@@ -40,11 +40,11 @@ def te_branch_errors(rank: int, world: int, topology_spec: str) -> dict:
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from megatron_lora_patch.lora import te
-    from megatron_lora_patch.lora.attach import attach_adapters
+    from megatron_lora_patch.lora.adapters.init import logical_factors
+    from megatron_lora_patch.lora.adapters.layouts import shard
     from megatron_lora_patch.lora.config import LoraConfig
-    from megatron_lora_patch.lora.init import logical_factors
-    from megatron_lora_patch.lora.layouts import shard
+    from megatron_lora_patch.lora.layers import te
+    from megatron_lora_patch.lora.layers.attach import attach_adapters
 
     topology = Topology.parse(topology_spec)
     errors = {}
@@ -102,17 +102,17 @@ def test_te_branch_matches_dense_lora(topology):
 
 def te_module_errors(rank: int, world: int) -> dict:
     """World size 1 on one GPU: TE linears with adapters vs base + dense `s x A^T B^T` (fp32)."""
-    import megatron_lora_patch
     from megatron.core.extensions import transformer_engine as mte
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
 
-    from megatron_lora_patch.lora.attach import attach_adapters
+    import megatron_lora_patch
+    from megatron_lora_patch.lora.adapters.init import logical_factors
     from megatron_lora_patch.lora.config import LoraConfig
-    from megatron_lora_patch.lora.init import logical_factors
-    from megatron_lora_patch.lora_correct import PATCH_MODULES
+    from megatron_lora_patch.lora.layers.attach import attach_adapters
+    from megatron_lora_patch.plugins.lora_correct import PATCH_NAMES
 
-    megatron_lora_patch.apply(plugins=["lora_correct"], enable={name: name == "lora_linear" for name in PATCH_MODULES})
+    megatron_lora_patch.apply(plugins=["lora_correct"], enable={name: name == "lora_linear" for name in PATCH_NAMES})
     errors = {}
     with Topology().world(cpu_compat=False):
         model_parallel_cuda_manual_seed(0)

@@ -10,13 +10,20 @@ from __future__ import annotations
 import logging
 
 import pytest
-
 from error_metrics import assert_all_within, relative_l2_error
-from megatron_lora_patch.proof.testbed.launcher import run_world
 from test_finalize_grads import (
-    apply_patches, build_ddp_model, gather_logical, global_batch, grad_tolerance, mean_loss_func, reference,
-    samples_of_dp_rank, train_step,
+    apply_patches,
+    build_ddp_model,
+    gather_logical,
+    global_batch,
+    grad_tolerance,
+    mean_loss_func,
+    reference,
+    samples_of_dp_rank,
+    train_step,
 )
+
+from megatron_lora_patch.proof.testbed.launcher import run_world
 
 
 def _dp_rank(rank: int, world_size: int, spec: str, tp: int) -> dict:

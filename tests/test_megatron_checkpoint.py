@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_lora_patch.errors import UsageError
-from megatron_lora_patch.lora.megatron_checkpoint import AdapterMismatchError, check_match
+from megatron_lora_patch.lora.checkpoints.megatron import AdapterMismatchError, check_match
+from megatron_lora_patch.runtime.errors import UsageError
 
 QKV, FC1 = "decoder.layers.self_attention.linear_qkv.lora", "decoder.layers.mlp.linear_fc1.lora"
 

@@ -14,15 +14,14 @@ plus tp_invariant applied strictly, so a patch that fails on the installed Megat
 
 from __future__ import annotations
 
+import megatron_compat_worker as worker
 import pytest
 import torch
 
-from megatron_lora_patch.errors import UsageError
 from megatron_lora_patch.lora.config import DEFAULT_TARGETS
-from megatron_lora_patch.lora.unsupported import UnsupportedModelError, refuse_unsupported
+from megatron_lora_patch.lora.layers.unsupported import UnsupportedModelError, refuse_unsupported
 from megatron_lora_patch.proof.testbed.launcher import run_world
-
-import megatron_compat_worker as worker
+from megatron_lora_patch.runtime.errors import UsageError
 
 GTP_MESSAGE = (
     "LoRA is not supported with generalized tensor parallelism (gtp_weight_remat_size 2, "

@@ -29,16 +29,16 @@ if importlib.util.find_spec("megatron.training") is None:
 
 from conftest import clean_environ  # noqa: E402
 
-from megatron_lora_patch.lora import checkpoint_source  # noqa: E402
-from megatron_lora_patch.lora.init import logical_factors  # noqa: E402
-from megatron_lora_patch.lora.config import LoraConfig  # noqa: E402
-from megatron_lora_patch.proof.oracle.thresholds import threshold  # noqa: E402
+from megatron_lora_patch.lora.adapters.init import logical_factors
+from megatron_lora_patch.lora.checkpoints import source as checkpoint_source
+from megatron_lora_patch.lora.config import LoraConfig
+from megatron_lora_patch.proof.oracle.thresholds import threshold
 
 # The runs take several optimizer steps: the oracle's thresholds for steps after the first.
 LOSS_LIMIT = threshold("fp32", "loss", step=1)
 DELTAS_LIMIT = threshold("fp32", "deltas", step=1)
-from megatron_lora_patch.proof.testbed.launcher import run_world  # noqa: E402
-from megatron_lora_patch.proof.testbed.models import TinyGPTSpec  # noqa: E402
+from megatron_lora_patch.proof.testbed.launcher import run_world
+from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 
 TESTS = pathlib.Path(__file__).parent
 SCRIPT = TESTS / "megatron_lm_gpt.py"
@@ -309,11 +309,10 @@ def test_adapters_of_another_rank_stop_the_load_with_one_line(loop):
 
 
 def test_export_of_the_final_checkpoint_loads_in_peft_and_matches_megatron(loop):
-    from peft import PeftModel
-
     import hf_llama
     import loop_worker
     import persistence_worker
+    from peft import PeftModel
 
     root, _ = loop
     peft_dir = root / "peft"

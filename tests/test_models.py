@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from error_metrics import relative_l2_error
+
 from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec, logical_shapes, logical_state_dict
 from megatron_lora_patch.proof.testbed.shards import Shard, assemble_logical

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import assert_one_line_error, run_fresh
-from megatron_lora_patch.lora import peft_modules
-from megatron_lora_patch.lora.config import LoraConfig, LoraConfigError
-from megatron_lora_patch.lora.peft import PeftFormatError
 from test_fail_closed_lora import ACTIVATE, BUILD
+
+from megatron_lora_patch.lora.config import LoraConfig, LoraConfigError
+from megatron_lora_patch.lora.exchange import modules as peft_modules
+from megatron_lora_patch.lora.exchange.names import PeftFormatError
 
 SYNTAX = (
     "a comma-separated list of modules to train fully, each matching one of output_layer, embedding.word_embeddings "

@@ -23,18 +23,18 @@ import numpy
 import pytest
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset, MockGPTLowLevelDataset
 from megatron.core.datasets.utils import Split
+
 pytest.importorskip("megatron.core.tokenizers", reason="not applicable to this Megatron-Core: no megatron.core.tokenizers (0.13)")
+import megatron_lm_null_tokenizer as doubles
+from conftest import run_python
 from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
 
-import megatron_lm_null_tokenizer as doubles
-from megatron_lora_patch import flags as flags_module
-from megatron_lora_patch import null_tokenizer_eod
-from megatron_lora_patch import lora_correct
+from megatron_lora_patch.integrations import null_tokenizer as null_tokenizer_eod
 from megatron_lora_patch.patches import null_tokenizer as patch
-from megatron_lora_patch.registry import Runtime, SkipPatch
-
-from conftest import run_python
+from megatron_lora_patch.plugins import lora_correct
+from megatron_lora_patch.runtime import flags as flags_module
+from megatron_lora_patch.runtime.registry import Runtime, SkipPatch
 
 N = 64
 #: Where `build_tokenizer` lives: `tokenizers.text.utils` up to 0.16, `tokenizers.utils` from 0.17.
@@ -255,8 +255,8 @@ def test_core_class_counting_eod_is_reported_upstream(runtime):
 def test_applied_before_megatron_is_imported():
     code = textwrap.dedent(f"""
         import types, megatron_lora_patch
-        from megatron_lora_patch import lora_correct
-        megatron_lora_patch.apply(["lora_correct"], enable={{name: name == "null_tokenizer" for name in lora_correct.PATCH_MODULES}})
+        from megatron_lora_patch.plugins import lora_correct
+        megatron_lora_patch.apply(["lora_correct"], enable={{name: name == "null_tokenizer" for name in lora_correct.PATCH_NAMES}})
         from {BUILD_TOKENIZER_MODULE} import build_tokenizer
         tokenizer = build_tokenizer(types.SimpleNamespace(tokenizer_type="NullTokenizer", vocab_size={N}, padded_vocab_size=128))
         row = next(r for r in megatron_lora_patch.status() if r.patch == "null_tokenizer")

@@ -6,15 +6,14 @@ import re
 import subprocess
 import sys
 
+import oracle_faults
 import pytest
 
+from megatron_lora_patch.cli.oracle import ALL_TOPOLOGIES, DEFAULT_TOPOLOGIES
 from megatron_lora_patch.proof.oracle import canonical, harness
-from megatron_lora_patch.proof.oracle.command import ALL_TOPOLOGIES, DEFAULT_TOPOLOGIES
 from megatron_lora_patch.proof.oracle.mutations import Mutation
 from megatron_lora_patch.proof.oracle.report import OracleReport, TopologyResult
 from megatron_lora_patch.proof.testbed.topology import Topology
-
-import oracle_faults
 
 
 def test_oracle_command_default_matrix(tmp_path):

@@ -11,8 +11,8 @@ with the scale; a layout or reduction error moves step 0 by >= 0.26 (thresholds.
 
 from __future__ import annotations
 
+from megatron_lora_patch.cli.oracle import DEFAULT_TOPOLOGIES
 from megatron_lora_patch.proof.oracle import harness
-from megatron_lora_patch.proof.oracle.command import DEFAULT_TOPOLOGIES
 from megatron_lora_patch.proof.oracle.mutations import MUTATIONS
 from megatron_lora_patch.proof.testbed.topology import Topology
 

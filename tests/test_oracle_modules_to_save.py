@@ -16,12 +16,12 @@ noise of the adapter-only runs.
 
 from __future__ import annotations
 
+from test_oracle_lora_options import DENSE_TOPOLOGIES, MOE_TOPOLOGIES
+
+from megatron_lora_patch.cli.oracle import DEFAULT_TOPOLOGIES
 from megatron_lora_patch.proof.oracle import harness, known_bugs
-from megatron_lora_patch.proof.oracle.command import DEFAULT_TOPOLOGIES
 from megatron_lora_patch.proof.oracle.mutations import MUTATIONS, Mutation
 from megatron_lora_patch.proof.testbed.topology import Topology
-
-from test_oracle_lora_options import DENSE_TOPOLOGIES, MOE_TOPOLOGIES
 
 BOTH = (("modules_to_save", ("output_layer", "word_embeddings")),)
 OUTPUT_LAYER = (("modules_to_save", ("output_layer",)),)

@@ -28,13 +28,16 @@ OUR_DEPENDENCIES = [("wrapt", "1.17.0"), ("pluggy", "1.6.0"), ("packaging", "25.
 
 def stub_wheel(directory: pathlib.Path, name: str, version: str, requires: tuple[str, ...] = ()) -> pathlib.Path:
     """A wheel holding only metadata (enough for the resolver)."""
+
+    def digest(text: str) -> str:
+        return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+
     info = f"{name.replace('-', '_')}-{version}.dist-info"
     files = {
         f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
         + "".join(f"Requires-Dist: {requirement}\n" for requirement in requires),
         f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: stub\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
-    digest = lambda text: base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
     files[f"{info}/RECORD"] = "".join(f"{p},sha256={digest(c)},{len(c)}\n" for p, c in files.items()) + f"{info}/RECORD,,\n"
     path = directory / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as archive:

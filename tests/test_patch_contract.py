@@ -13,9 +13,9 @@ import importlib
 
 import pytest
 
-from megatron_lora_patch import versions
 from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.proof.testbed.patches import all_patch_names
+from megatron_lora_patch.runtime import versions
 
 _MISSING = object()
 
@@ -47,7 +47,7 @@ def _import_targets(names) -> list[str]:
 
 
 def _wrapped_once_problems(changes) -> list[str]:
-    from megatron_lora_patch.patching import is_wrapped_by_us
+    from megatron_lora_patch.runtime.patching import is_wrapped_by_us
 
     problems = []
     for change in changes:
@@ -74,8 +74,8 @@ def _restored_problems(changes) -> list[str]:
 
 def _contract(name: str, import_before: bool) -> dict:
     """Apply `name` alone, check, apply again, check, revert, check (in this process)."""
-    from megatron_lora_patch import registry
     from megatron_lora_patch.proof.testbed.patches import apply_only
+    from megatron_lora_patch.runtime import registry
 
     if import_before:
         _import_targets([name])

@@ -9,15 +9,14 @@ equal `scaling * B_e @ A_e` of every expert e (negative control: experts 0 and 1
 
 from __future__ import annotations
 
+import persistence_worker as worker
 import pytest
 import torch
-
 from error_metrics import fp32_sum_tolerance, relative_l2_error
-from megatron_lora_patch.lora import peft
-from megatron_lora_patch.lora.peft import PeftFormatError
-from megatron_lora_patch.proof.testbed.models import DEFAULT_SEED, TinyGPTSpec
 
-import persistence_worker as worker
+from megatron_lora_patch.lora.exchange import files, peft
+from megatron_lora_patch.lora.exchange.names import PeftFormatError
+from megatron_lora_patch.proof.testbed.models import DEFAULT_SEED, TinyGPTSpec
 
 SPEC = TinyGPTSpec.moe(moe_ffn_hidden_size=32)
 CONFIG = worker.lora_config(5, rank_pattern={"*local_experts*": 2}, alpha_pattern={"*local_experts*linear_fc2": 4.0})
@@ -37,13 +36,12 @@ def _expert_deltas(layer: int, linear: str, order=None) -> torch.Tensor:
 
 
 def test_peft_param_wrapper_deltas_are_the_megatron_expert_deltas(tmp_path):
-    from peft import PeftModel
-
     import hf_llama
+    from peft import PeftModel
 
     tensors, config = peft.to_peft(worker.expected_logical(SPEC, CONFIG), DESCRIPTION, "mixtral")
     assert config["rank_pattern"] == {"down_proj": 2, "gate_up_proj": 2} and config["alpha_pattern"] == {"down_proj": 4.0}
-    peft.write(str(tmp_path), tensors, config, "mixtral")
+    files.write(str(tmp_path), tensors, config, "mixtral")
     model = PeftModel.from_pretrained(hf_llama.mixtral_for(SPEC, DEFAULT_SEED), str(tmp_path))
     tolerance = fp32_sum_tolerance(2)  # each delta entry sums r = 2 products
     for layer in range(SPEC.num_layers):
@@ -58,16 +56,15 @@ def test_peft_param_wrapper_deltas_are_the_megatron_expert_deltas(tmp_path):
 def test_expert_adapter_written_by_peft_imports_with_its_deltas(tmp_path):
     """An adapter `peft` itself trained-and-saved (random B; no family file, so `read` says llama)
     imports; Megatron's `scaling * B_e @ A_e` of each expert equals peft's delta."""
+    import hf_llama
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
-
-    import hf_llama
 
     targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     settings = PeftLoraConfig(r=2, lora_alpha=8, target_modules=[], target_parameters=targets, init_lora_weights=False)
     model = get_peft_model(hf_llama.mixtral_for(SPEC, DEFAULT_SEED), settings)
     model.save_pretrained(str(tmp_path))
-    tensors, config, family = peft.read(str(tmp_path))
+    tensors, config, family = files.read(str(tmp_path))
     description = dict(DESCRIPTION, rank=2, alpha=8.0, rank_pattern=[], alpha_pattern=[])
     expected = [name for name in worker.adapter_names(SPEC) if ".experts." in name]
     logical = peft.from_peft(tensors, config, description, expected, family=family)

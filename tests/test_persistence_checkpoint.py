@@ -9,14 +9,13 @@ either the save (inconsistent global shapes) or the comparison.
 
 from __future__ import annotations
 
+import persistence_worker as worker
 import pytest
 import torch
 
 from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 from megatron_lora_patch.proof.testbed.topology import Topology
-
-import persistence_worker as worker
 
 SPEC = TinyGPTSpec.moe(num_layers=2)
 FAST = ("tp2", "ep2", "etp2", "pp2")

@@ -18,15 +18,15 @@ import subprocess
 import sys
 import warnings
 
+import persistence_worker as worker
 import pytest
 import torch
-
 from error_metrics import max_abs_error_over_max
-from megatron_lora_patch.lora import peft as peft_format
+
+from megatron_lora_patch.lora.exchange import files as peft_files
+from megatron_lora_patch.lora.exchange import names as peft_names
 from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.proof.testbed.models import DEFAULT_SEED, TinyGPTSpec
-
-import persistence_worker as worker
 
 SPEC = TinyGPTSpec()  # 4 heads in 2 query groups (GQA), SwiGLU, RoPE, RMSNorm, untied embeddings
 LOGITS_TOLERANCE = 1e-5  # max-abs error relative to the largest logit, fp32
@@ -79,9 +79,8 @@ def _unexpected_key_warnings(peft_dir: str) -> list:
 
 
 def test_peft_loads_export_and_matches_megatron_logits(exported):
-    from peft import PeftModel
-
     import hf_llama
+    from peft import PeftModel
 
     megatron_logits = exported["ranks"][0]["adapted"]
     tokens, _ = worker.batch(SPEC)
@@ -97,7 +96,7 @@ def test_peft_loads_export_and_matches_megatron_logits(exported):
     assert max_abs_error_over_max(peft_logits, megatron_logits) <= LOGITS_TOLERANCE
     # The adapter matters: without it the logits are far off (so the check above is not vacuous).
     assert max_abs_error_over_max(base_logits, megatron_logits) > 100 * LOGITS_TOLERANCE
-    with open(os.path.join(exported["peft"], peft_format.CONFIG_NAME)) as handle:
+    with open(os.path.join(exported["peft"], peft_names.CONFIG_NAME)) as handle:
         config = json.load(handle)
     assert config["r"] == 4 and config["lora_alpha"] == 8.0
     assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
@@ -109,16 +108,15 @@ def test_peft_config_fields_decide_the_logits(exported, tmp_path):
     """Negative controls: the same tensors with one PEFT config field changed (lora_alpha;
     alpha_pattern dropped, use_rslora off) give logits far from Megatron's, so the match above
     needs every field right."""
+    import hf_llama
     from peft import PeftModel
 
-    import hf_llama
-
     tokens, _ = worker.batch(SPEC)
-    config = json.loads(open(os.path.join(exported["peft"], peft_format.CONFIG_NAME)).read())
+    config = json.loads(open(os.path.join(exported["peft"], peft_names.CONFIG_NAME)).read())
     for index, change in enumerate(exported["controls"]):
         broken = tmp_path / f"control{index}"
         shutil.copytree(exported["peft"], broken)
-        (broken / peft_format.CONFIG_NAME).write_text(json.dumps({**config, **change}))
+        (broken / peft_names.CONFIG_NAME).write_text(json.dumps({**config, **change}))
         model = PeftModel.from_pretrained(hf_llama.llama_for(SPEC, DEFAULT_SEED), str(broken)).eval()
         with torch.no_grad():
             logits = model(tokens).logits
@@ -129,12 +127,11 @@ def test_separate_projections_export_untied_a_and_tying_them_moves_the_logits(ex
     """With separate projections q / k / v (gate / up) export different lora_A's, and they matter:
     the same adapter with k's and v's A replaced by q's (the shared-A model) is far off Megatron's logits.
     In the shared layout all three are equal."""
+    import hf_llama
     from peft import PeftModel
     from safetensors.torch import load_file, save_file
 
-    import hf_llama
-
-    tensors = load_file(os.path.join(exported["peft"], peft_format.WEIGHTS_NAME))
+    tensors = load_file(os.path.join(exported["peft"], peft_names.WEIGHTS_NAME))
     key = "base_model.model.model.layers.0.self_attn.{}_proj.lora_A.weight"
     separate = exported["options"].get("separate_projections", False)
     assert torch.equal(tensors[key.format("q")], tensors[key.format("k")]) != separate
@@ -144,7 +141,7 @@ def test_separate_projections_export_untied_a_and_tying_them_moves_the_logits(ex
     shutil.copytree(exported["peft"], tied)
     for name in [name for name in tensors if ".k_proj.lora_A" in name or ".v_proj.lora_A" in name]:
         tensors[name] = tensors[name.replace(".k_proj.", ".q_proj.").replace(".v_proj.", ".q_proj.")].clone()
-    save_file(tensors, str(tied / peft_format.WEIGHTS_NAME))
+    save_file(tensors, str(tied / peft_names.WEIGHTS_NAME))
     model = PeftModel.from_pretrained(hf_llama.llama_for(SPEC, DEFAULT_SEED), str(tied)).eval()
     with torch.no_grad():
         logits = model(worker.batch(SPEC)[0]).logits
@@ -157,11 +154,11 @@ def test_peft_warns_only_about_the_old_embedded_metadata(exported, tmp_path):
     assert _unexpected_key_warnings(exported["peft"]) == []
     old = tmp_path / "old-layout"
     shutil.copytree(exported["peft"], old)
-    os.remove(old / peft_format.METADATA_NAME)
-    config = json.loads((old / peft_format.CONFIG_NAME).read_text())
-    (old / peft_format.CONFIG_NAME).write_text(json.dumps({**config, "megatron_lora_patch": {"family": "qwen2"}}))
+    os.remove(old / peft_names.METADATA_NAME)
+    config = json.loads((old / peft_names.CONFIG_NAME).read_text())
+    (old / peft_names.CONFIG_NAME).write_text(json.dumps({**config, "megatron_lora_patch": {"family": "qwen2"}}))
     assert len(_unexpected_key_warnings(str(old))) == 1
-    assert peft_format.read(str(old))[2] == "qwen2"
+    assert peft_files.read(str(old))[2] == "qwen2"
 
 
 def test_merge_equals_adapter_forward_and_unmerge_restores(exported):
@@ -173,7 +170,7 @@ def test_merge_equals_adapter_forward_and_unmerge_restores(exported):
 
 
 def test_import_on_pp2_then_export_gives_identical_bytes(exported):
-    from megatron_lora_patch.lora.peft_io import export_peft
+    from megatron_lora_patch.lora.exchange.transfer import export_peft
 
     checkpoint, again = str(exported["root"] / "reimported"), str(exported["root"] / "peft-again")
     args = ("pp2", SPEC, exported["peft"], checkpoint, exported["options"])
@@ -183,7 +180,7 @@ def test_import_on_pp2_then_export_gives_identical_bytes(exported):
     assert len(expected) == 4 * SPEC.num_layers and set(logical) == set(expected), sorted(set(logical) ^ set(expected))
     assert all(all(map(torch.equal, logical[name], expected[name])) for name in expected)
     export_peft(checkpoint, again)
-    for name in (peft_format.WEIGHTS_NAME, peft_format.CONFIG_NAME, peft_format.METADATA_NAME):
+    for name in (peft_names.WEIGHTS_NAME, peft_names.CONFIG_NAME, peft_names.METADATA_NAME):
         with open(os.path.join(exported["peft"], name), "rb") as first, open(os.path.join(again, name), "rb") as second:
             assert first.read() == second.read(), name
 

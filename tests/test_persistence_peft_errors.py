@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lora_patch.lora import peft
-from megatron_lora_patch.lora.peft import PeftFormatError
+from megatron_lora_patch.lora.exchange import checks, peft
+from megatron_lora_patch.lora.exchange.names import PeftFormatError
 
 DESCRIPTION = {
     "format": 1, "rank": 4, "alpha": 8.0, "num_layers": 1, "hidden_size": 64, "num_attention_heads": 4,
@@ -39,7 +39,7 @@ def _valid():
 
 def _import(tensors, config):
     logical = peft.from_peft(tensors, config, DESCRIPTION, SHAPES, where="adapter")
-    peft.check_shapes(logical, SHAPES, "adapter")
+    checks.check_shapes(logical, SHAPES, "adapter")
     return logical
 
 

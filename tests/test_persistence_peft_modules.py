@@ -19,16 +19,17 @@ import json
 import os
 import shutil
 
-import pytest
-import torch
-
 import modules_to_save_worker as worker
 import persistence_worker
+import pytest
+import torch
 from error_metrics import max_abs_error_over_max
-from megatron_lora_patch.lora import peft as peft_format
+from test_persistence_peft import LOGITS_TOLERANCE, _cli
+
+from megatron_lora_patch.lora.exchange import names as peft_names
 from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.proof.testbed.models import DEFAULT_SEED, TinyGPTSpec
-from test_persistence_peft import LOGITS_TOLERANCE, _cli
+
 LM_HEAD, EMBED_TOKENS = "lm_head", "model.embed_tokens"
 # name -> (spec, LoraConfig options, the PEFT config fields they give, HF module -> the logical weight it holds)
 VARIANTS = {
@@ -65,17 +66,16 @@ def test_export_writes_peft_modules_to_save(exported):
 
     for name in worker.trained_names(exported["spec"]):  # the TP2 ranks held the trained weights (own slicing)
         assert torch.equal(exported["saved"][name], exported["trained"][name]), name
-    config = json.loads(open(os.path.join(exported["peft"], peft_format.CONFIG_NAME)).read())
+    config = json.loads(open(os.path.join(exported["peft"], peft_names.CONFIG_NAME)).read())
     assert {field: config[field] for field in exported["fields"]} == exported["fields"]
-    tensors = load_file(os.path.join(exported["peft"], peft_format.WEIGHTS_NAME))
+    tensors = load_file(os.path.join(exported["peft"], peft_names.WEIGHTS_NAME))
     for hf_name, name in exported["hf_weights"].items():
         assert torch.equal(tensors[f"base_model.model.{hf_name}.weight"], exported["trained"][name]), hf_name
 
 
 def _peft_logits(spec, peft_dir: str):
-    from peft import PeftModel
-
     import hf_llama
+    from peft import PeftModel
 
     model = PeftModel.from_pretrained(hf_llama.llama_for(spec, DEFAULT_SEED), peft_dir).eval()
     with torch.no_grad():
@@ -95,16 +95,16 @@ def test_peft_loads_modules_to_save_and_matches_megatron_logits(exported, tmp_pa
     # Negative control: the adapter without its fully trained weights.
     bare = tmp_path / "without-modules"
     shutil.copytree(exported["peft"], bare)
-    tensors = load_file(str(bare / peft_format.WEIGHTS_NAME))
-    save_file({k: v for k, v in tensors.items() if ".lora_" in k}, str(bare / peft_format.WEIGHTS_NAME))
-    config = json.loads((bare / peft_format.CONFIG_NAME).read_text())
-    (bare / peft_format.CONFIG_NAME).write_text(json.dumps({**config, "modules_to_save": None, "ensure_weight_tying": False}))
+    tensors = load_file(str(bare / peft_names.WEIGHTS_NAME))
+    save_file({k: v for k, v in tensors.items() if ".lora_" in k}, str(bare / peft_names.WEIGHTS_NAME))
+    config = json.loads((bare / peft_names.CONFIG_NAME).read_text())
+    (bare / peft_names.CONFIG_NAME).write_text(json.dumps({**config, "modules_to_save": None, "ensure_weight_tying": False}))
     control = _peft_logits(exported["spec"], str(bare))[1]
     assert max_abs_error_over_max(control, exported["logits"]) > 100 * LOGITS_TOLERANCE
 
 
 def test_import_on_pp2_reload_and_export_again_are_exact(exported):
-    from megatron_lora_patch.lora.peft_io import export_peft
+    from megatron_lora_patch.lora.exchange.transfer import export_peft
 
     spec, names = exported["spec"], worker.trained_names(exported["spec"])
     checkpoint, again = str(exported["root"] / "reimported"), str(exported["root"] / "peft-again")
@@ -117,6 +117,6 @@ def test_import_on_pp2_reload_and_export_again_are_exact(exported):
     before = worker.assemble([rank["before"] for rank in ranks], spec)  # the load really changed them
     assert not any(torch.equal(before[name], exported["trained"][name]) for name in names)
     export_peft(checkpoint, again)
-    for name in (peft_format.WEIGHTS_NAME, peft_format.CONFIG_NAME, peft_format.METADATA_NAME):
+    for name in (peft_names.WEIGHTS_NAME, peft_names.CONFIG_NAME, peft_names.METADATA_NAME):
         with open(os.path.join(exported["peft"], name), "rb") as first, open(os.path.join(again, name), "rb") as second:
             assert first.read() == second.read(), name

@@ -18,16 +18,15 @@ import os
 import subprocess
 import sys
 
+import persistence_worker as worker
 import pytest
+import resume_worker
 import torch
-
 from error_metrics import max_abs_error_over_max
-from megatron_lora_patch.lora import peft as peft_format
+
+from megatron_lora_patch.lora.exchange import names as peft_names
 from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
-
-import persistence_worker as worker
-import resume_worker
 
 SPEC = TinyGPTSpec.moe(moe_ffn_hidden_size=32)
 # max-abs error relative to the largest logit, fp32; measured 4.1e-7 (Mixtral, TP2 + ETP2) and 5.6e-7 (Qwen3-MoE, EP2)
@@ -79,7 +78,7 @@ def _peft_logits(exported, peft_dir: str) -> torch.Tensor:
 
 
 def test_peft_loads_expert_export_and_matches_megatron_logits(exported):
-    with open(os.path.join(exported["peft"], peft_format.CONFIG_NAME)) as handle:
+    with open(os.path.join(exported["peft"], peft_names.CONFIG_NAME)) as handle:
         config = json.load(handle)
     assert config["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
     assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
@@ -105,7 +104,7 @@ def test_swapped_expert_adapters_move_peft_logits_off(exported, tmp_path):
     """Negative control: experts 0 and 1 exchange adapters (every layer, both parameters) -> logits far off."""
     from safetensors.torch import load_file, save_file
 
-    tensors = load_file(os.path.join(exported["peft"], peft_format.WEIGHTS_NAME))
+    tensors = load_file(os.path.join(exported["peft"], peft_names.WEIGHTS_NAME))
     swapped = {
         key: _swap_experts(value, key.split(".lora_")[1][0], 0, 1) if ".experts." in key else value
         for key, value in tensors.items()
@@ -113,14 +112,14 @@ def test_swapped_expert_adapters_move_peft_logits_off(exported, tmp_path):
     assert any(not torch.equal(swapped[key], tensors[key]) for key in tensors)
     broken = tmp_path / "swapped"
     broken.mkdir()
-    save_file(swapped, str(broken / peft_format.WEIGHTS_NAME), metadata={"format": "pt"})
-    for name in (peft_format.CONFIG_NAME, peft_format.METADATA_NAME):
+    save_file(swapped, str(broken / peft_names.WEIGHTS_NAME), metadata={"format": "pt"})
+    for name in (peft_names.CONFIG_NAME, peft_names.METADATA_NAME):
         (broken / name).write_bytes(open(os.path.join(exported["peft"], name), "rb").read())
     assert max_abs_error_over_max(_peft_logits(exported, str(broken)), exported["adapted"]) > 100 * LOGITS_TOLERANCE
 
 
 def test_import_at_other_expert_topology_then_export_gives_identical_bytes(exported):
-    from megatron_lora_patch.lora.peft_io import export_peft
+    from megatron_lora_patch.lora.exchange.transfer import export_peft
 
     topology, spec = exported["other"], exported["spec"]
     checkpoint, again = str(exported["root"] / f"reimported-{topology}"), str(exported["root"] / "peft-again")
@@ -132,6 +131,6 @@ def test_import_at_other_expert_topology_then_export_gives_identical_bytes(expor
     assert not any(torch.equal(expected[name][1], initial[name][1]) for name in expected)  # training moved every B
     assert all(all(map(torch.equal, logical[name], expected[name])) for name in expected)
     export_peft(checkpoint, again, exported["family"])
-    for name in (peft_format.WEIGHTS_NAME, peft_format.CONFIG_NAME, peft_format.METADATA_NAME):
+    for name in (peft_names.WEIGHTS_NAME, peft_names.CONFIG_NAME, peft_names.METADATA_NAME):
         with open(os.path.join(exported["peft"], name), "rb") as first, open(os.path.join(again, name), "rb") as second:
             assert first.read() == second.read(), name

@@ -9,14 +9,13 @@ Resuming without the optimizer state misses by orders of magnitude more.
 
 from __future__ import annotations
 
-import torch
-
-from error_metrics import relative_l2_error
-from megatron_lora_patch.proof.testbed.launcher import run_world
-from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
-
 import persistence_worker
 import resume_worker
+import torch
+from error_metrics import relative_l2_error
+
+from megatron_lora_patch.proof.testbed.launcher import run_world
+from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 
 SPEC = TinyGPTSpec()
 TOLERANCE = 1e-5  # relative L2 per factor after one more Adam step on another topology

@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import assert_one_line_error
 
 if importlib.util.find_spec("megatron.training") is None:  # absent only: an import error in it must fail
@@ -22,11 +21,19 @@ if importlib.util.find_spec("megatron.training") is None:  # absent only: an imp
         allow_module_level=True,
     )
 
-from megatron_lora_patch.errors import UsageError  # noqa: E402
-from megatron_lora_patch.proof.oracle import preflight  # noqa: E402
 from preflight_cases import (  # noqa: E402
-    DENSE, MOE, TP2_SP, PHASES, assert_passed, cli, options, preflight_environ, user_environ,  # noqa: F401 (fixture)
+    DENSE,  # noqa: F401 (fixture)
+    MOE,
+    PHASES,
+    TP2_SP,
+    assert_passed,
+    cli,
+    options,
+    preflight_environ,
 )
+
+from megatron_lora_patch.proof.oracle import preflight
+from megatron_lora_patch.runtime.errors import UsageError
 
 
 def test_dense_gqa_tp2_sp_passes_and_reports_json(tmp_path):

@@ -13,11 +13,11 @@ import importlib.util
 import json
 
 import pytest
-
 from conftest import assert_one_line_error
-from megatron_lora_patch.errors import UsageError
-from megatron_lora_patch.proof.oracle import preflight
 from preflight_cases import DENSE, TP2_SP, assert_passed, cli, options, user_environ  # noqa: F401 (fixture)
+
+from megatron_lora_patch.proof.oracle import preflight
+from megatron_lora_patch.runtime.errors import UsageError
 
 HAS_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is not None
 needs_hybrid_model = pytest.mark.skipif(

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from megatron_lora_patch import registry
+from megatron_lora_patch.runtime import registry
 
 
 @pytest.fixture

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from error_metrics import relative_l2_error
+
+from megatron_lora_patch.proof.oracle.metrics import compare_results
 from megatron_lora_patch.proof.testbed.data import dp_rank_microbatches, make_global_batch
 from megatron_lora_patch.proof.testbed.driver import TrainSettings
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 from megatron_lora_patch.proof.testbed.pretrain import LEGACY_MEAN
-from megatron_lora_patch.proof.oracle.metrics import compare_results
 from megatron_lora_patch.proof.testbed.runner import Job, canonical_result, run_jobs
 
 #: fp32 tolerance on every phase (relative L2 per tensor, worst over tensors and steps).

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_lora_patch.proof.testbed.patches import all_patch_names
 from megatron_lora_patch.proof.testbed.launcher import gloo_process_group, run_world
+from megatron_lora_patch.proof.testbed.patches import all_patch_names
 from megatron_lora_patch.proof.testbed.topology import Topology, TopologyError
 
 USAGE = (

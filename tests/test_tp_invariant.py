@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lora_patch import versions
 from megatron_lora_patch.patches.tp_invariant import SPEC
 from megatron_lora_patch.proof.testbed.launcher import run_world
+from megatron_lora_patch.runtime import versions
 
 _OUT_OF_RANGE = versions.out_of_range_reason(SPEC.name, SPEC.versions, versions.installed_megatron_core())
 pytestmark = pytest.mark.skipif(bool(_OUT_OF_RANGE), reason=f"tp_invariant does not apply here: {_OUT_OF_RANGE}")
@@ -81,7 +81,7 @@ def run(spec, topology_text: str, invariant: bool) -> list:
 
 def _expected_local(name: str, full: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Rank `rank`'s shard of the TP=1 tensor: the dim whose size differs, stride 2 for SwiGLU fc1 rows."""
-    from megatron_lora_patch.lora.layouts import shard
+    from megatron_lora_patch.lora.adapters.layouts import shard
 
     if full.shape == local.shape:
         return full
@@ -225,16 +225,16 @@ def test_tp4_bitwise_equal_to_tp1(topology):
 def test_apply_and_revert_restore_megatron_exactly():
     """Every target is wrapped while on (status 'applied') and is the original object again after revert;
     the grad-sync strategy (dense factors complete, no TP SUM) is declared while on and undone by revert."""
-    import megatron_lora_patch
-    from megatron_lora_patch.lora_correct import PATCH_MODULES
-
+    import megatron.core.models.common.language_module.language_module as language_module
+    import megatron.core.optimizer.optimizer as optimizer
     import megatron.core.tensor_parallel as tensor_parallel
     import megatron.core.tensor_parallel.cross_entropy as cross_entropy
     import megatron.core.tensor_parallel.layers as layers
     import megatron.core.transformer.mlp as mlp
-    import megatron.core.optimizer.optimizer as optimizer
-    import megatron.core.models.common.language_module.language_module as language_module
-    import megatron_lora_patch.lora.grad_sync as grad_sync
+
+    import megatron_lora_patch
+    import megatron_lora_patch.lora.training.grad_sync as grad_sync
+    from megatron_lora_patch.plugins.lora_correct import PATCH_NAMES
 
     targets = [
         (vars(layers.ColumnParallelLinear), "_forward_impl"), (vars(layers.RowParallelLinear), "_forward_impl"),
@@ -250,7 +250,7 @@ def test_apply_and_revert_restore_megatron_exactly():
     originals = [namespace[name] for namespace, name in targets]
     try:
         megatron_lora_patch.apply(
-            plugins=["lora_correct"], enable={name: name == "tp_invariant" for name in PATCH_MODULES}, strict=True
+            plugins=["lora_correct"], enable={name: name == "tp_invariant" for name in PATCH_NAMES}, strict=True
         )
         row = next(row for row in megatron_lora_patch.status() if row.patch == "tp_invariant")
         assert row.state == "applied"

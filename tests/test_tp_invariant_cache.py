@@ -29,9 +29,9 @@ import collections
 import pytest
 import torch
 
-from megatron_lora_patch import versions
 from megatron_lora_patch.patches.tp_invariant import SPEC
 from megatron_lora_patch.proof.testbed.launcher import run_world
+from megatron_lora_patch.runtime import versions
 
 _OUT_OF_RANGE = versions.out_of_range_reason(SPEC.name, SPEC.versions, versions.installed_megatron_core())
 pytestmark = pytest.mark.skipif(bool(_OUT_OF_RANGE), reason=f"tp_invariant does not apply here: {_OUT_OF_RANGE}")
@@ -68,11 +68,11 @@ def _counting_gather(original):
 
 
 def _train(rank, world_size, spec, topology_text, write):
-    from megatron_lora_patch.tp_invariant import cache
     from megatron_lora_patch.lora.config import LoraConfig, set_active
     from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings, train_steps
     from megatron_lora_patch.proof.testbed.patches import apply_only
     from megatron_lora_patch.proof.testbed.topology import Topology
+    from megatron_lora_patch.tp_invariant import cache
 
     apply_only(PATCHES, strict=True)
     set_active(LoraConfig(rank=4, alpha=8.0, b_init="nonzero"))
@@ -146,8 +146,8 @@ def test_factor_written_through_data_is_seen_and_the_optimizer_step_advances_the
 def _untracked_factor_write(rank, world_size):
     from megatron.core import parallel_state
 
-    from megatron_lora_patch.tp_invariant import cache
     from megatron_lora_patch.proof.testbed.topology import Topology
+    from megatron_lora_patch.tp_invariant import cache
 
     with Topology.parse("tp2").world(seed=1):
         group = parallel_state.get_tensor_model_parallel_group()
@@ -173,12 +173,12 @@ def _recompute_gathers(rank, world_size, clear_in_recompute):
     and the LoRA grads of each pass."""
     from megatron.core import tensor_parallel
 
-    from megatron_lora_patch.tp_invariant import cache
     from megatron_lora_patch.lora.config import LoraConfig, set_active
     from megatron_lora_patch.proof.testbed import data
     from megatron_lora_patch.proof.testbed.models import TinyGPTSpec, build_model
     from megatron_lora_patch.proof.testbed.patches import apply_only
     from megatron_lora_patch.proof.testbed.topology import Topology
+    from megatron_lora_patch.tp_invariant import cache
 
     apply_only(PATCHES, strict=True)
     set_active(LoraConfig(rank=4, alpha=8.0, b_init="nonzero"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lora_patch.lora.layouts import shard
+from megatron_lora_patch.lora.adapters.layouts import shard
 from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
 from megatron_lora_patch.tp_invariant.shares import CHUNK_COLUMNS, owned_chunks
 

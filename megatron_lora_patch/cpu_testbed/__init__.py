@@ -7,7 +7,7 @@ so reverting the patch restores torch and Megatron exactly.
 
 from __future__ import annotations
 
-from megatron_lora_patch import flags
+from megatron_lora_patch.runtime import flags
 
 #: Set to 1 to apply the CPU fixes even on a machine where CUDA is available (validated at activation).
 FORCE_FLAG = flags.CPU_COMPAT_FORCE_VARIABLE
@@ -29,7 +29,7 @@ def host_only_hook(library: str, installer: str):
     def hook(patcher, module):
         import importlib
 
-        from megatron_lora_patch.outcomes import SkipPatch
+        from megatron_lora_patch.runtime.outcomes import SkipPatch
 
         if not host_is_cpu():
             raise SkipPatch(f"CUDA is available, nothing to fix (set {FORCE_FLAG}=1 to force)")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import device_rng
+from megatron_lora_patch.cpu_testbed import device_rng
 
 _HOST = torch.device("cpu")
 

@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from . import device_rng
+from megatron_lora_patch.cpu_testbed import device_rng
 
 
 def get_host_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:

@@ -44,8 +44,8 @@ import math
 import os
 from typing import Any, Callable, Mapping, Optional
 
-from megatron_lora_patch.errors import UsageError
-from megatron_lora_patch.flags import ACCEPTED_BOOLEANS, parse_bool
+from megatron_lora_patch.runtime.errors import UsageError
+from megatron_lora_patch.runtime.flags import ACCEPTED_BOOLEANS, parse_bool
 
 ENV_PREFIX = "MEGATRON_LORA_"
 CONFIG_FILE_VARIABLE = ENV_PREFIX + "CONFIG"

@@ -24,7 +24,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed
 
-from megatron_lora_patch.lora.layouts import shard, unshard
+from megatron_lora_patch.lora.adapters.layouts import shard, unshard
 
 
 def _size_and_rank(group: Any) -> tuple:

@@ -24,9 +24,9 @@ from typing import Any, Dict, Iterable, List
 
 import torch
 
-from megatron_lora_patch import registry
-from megatron_lora_patch.lora.layouts import unshard
-from megatron_lora_patch.lora.metadata import adapter_info
+from megatron_lora_patch.lora.adapters.layouts import unshard
+from megatron_lora_patch.lora.adapters.metadata import adapter_info
+from megatron_lora_patch.runtime import registry
 from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
 
 log = logging.getLogger(__name__)

@@ -29,12 +29,12 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from megatron_lora_patch.lora.adapters.kernels import down_projection
+from megatron_lora_patch.lora.layers.linear import adapter_of
+from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
 from megatron_lora_patch.tp_invariant.cache import cached_gather
 from megatron_lora_patch.tp_invariant.collectives import gather_logical
 from megatron_lora_patch.tp_invariant.shares import owned_columns_linear
-from megatron_lora_patch.lora.kernels import down_projection
-from megatron_lora_patch.lora.linear import adapter_of
-from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
 
 #: Attribute a patch sets on a column layer whose shards interleave two halves (SwiGLU fc1)
 #: when the weight's own `partition_stride` does not say so.

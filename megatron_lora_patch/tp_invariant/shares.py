@@ -30,7 +30,7 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.distributed
 
-from megatron_lora_patch.lora.kernels import up_projection_grads
+from megatron_lora_patch.lora.adapters.kernels import up_projection_grads
 from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
 from megatron_lora_patch.tp_invariant.collectives import all_gather_logical
 

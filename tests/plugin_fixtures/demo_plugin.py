@@ -1,8 +1,8 @@
 """Test plugin `demo`: one patch per runtime behaviour under test, all on `demo_target`."""
 
-from megatron_lora_patch.hookspecs import impl
-from megatron_lora_patch.patching import PatchSpec
-from megatron_lora_patch.registry import SkipPatch
+from megatron_lora_patch.runtime.hookspecs import impl
+from megatron_lora_patch.runtime.patching import PatchSpec
+from megatron_lora_patch.runtime.registry import SkipPatch
 
 CONFIGURED = []
 

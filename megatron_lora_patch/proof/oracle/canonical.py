@@ -24,13 +24,12 @@ import torch
 
 from megatron_lora_patch.proof.testbed.shards import Shard
 
-
 LINEAR, ROUTING = "linear", "routing"
 
 
 def is_adapted_dense_linear(module: torch.nn.Module) -> bool:
     """A non-expert parallel linear that carries a LoRA adapter."""
-    from megatron_lora_patch.lora.linear import adapter_of
+    from megatron_lora_patch.lora.layers.linear import adapter_of
 
     return adapter_of(module) is not None and not getattr(module, "is_expert", False)
 
@@ -48,8 +47,8 @@ def is_captured(name: str, module: torch.nn.Module) -> bool:
 
 def rank_layout(model: torch.nn.Module, seq_length: int, micro_batch_size: int) -> dict:
     """What the parent needs to place this rank's forward captures (recorded in the rank)."""
-    from megatron_lora_patch.lora.attach import canonical_modules
-    from megatron_lora_patch.lora.linear import adapter_of
+    from megatron_lora_patch.lora.layers.attach import canonical_modules
+    from megatron_lora_patch.lora.layers.linear import adapter_of
     from megatron_lora_patch.proof.testbed.data import cp_sequence_positions
 
     canonical = {id(module): name for name, _, module, _ in canonical_modules(model)}

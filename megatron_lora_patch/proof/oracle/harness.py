@@ -27,18 +27,18 @@ import re
 import time
 from typing import Dict, List, Optional, Sequence
 
-from megatron_lora_patch.errors import UsageError
 from megatron_lora_patch.proof.oracle import canonical
 from megatron_lora_patch.proof.oracle import thresholds as limits
 from megatron_lora_patch.proof.oracle.metrics import PhaseMetrics, compare_scalars, compare_tensors
 from megatron_lora_patch.proof.oracle.mutations import MUTATIONS, Mutation
 from megatron_lora_patch.proof.oracle.report import MutationResult, OracleReport, TopologyResult
-from megatron_lora_patch.patching import Patcher
 from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings
 from megatron_lora_patch.proof.testbed.launcher import WorldError
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec, check_topology_fits
 from megatron_lora_patch.proof.testbed.runner import Job, canonical_result, run_jobs
 from megatron_lora_patch.proof.testbed.topology import Topology
+from megatron_lora_patch.runtime.errors import UsageError
+from megatron_lora_patch.runtime.patching import Patcher
 
 #: The oracle's models: GQA (8 heads, 4 query groups: TP up to 4), SwiGLU, RoPE, RMSNorm;
 #: 4 layers so PP up to 4 keeps whole layers per stage; the MoE variant has 4 experts, top-2.
@@ -111,8 +111,8 @@ def oracle_job(settings: OracleSettings, mutation: Optional[Mutation]):
     import torch
 
     import megatron_lora_patch
-    from megatron_lora_patch.proof.testbed.patches import TESTBED_PLUGINS
     from megatron_lora_patch.lora.config import LoraConfig
+    from megatron_lora_patch.proof.testbed.patches import TESTBED_PLUGINS
 
     enable = {
         "cpu_compat": not torch.cuda.is_available(),

@@ -12,8 +12,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Iterator, Tuple
 
-from megatron_lora_patch.patching import Patcher
-
+from megatron_lora_patch.runtime.patching import Patcher
 
 # -- replicated-factor grad SUM (lora.grad_sync) -------------------------------------------
 
@@ -44,19 +43,19 @@ def _is_expert(info) -> bool:
 
 
 def skip_tp_sum_column_a(patcher: Patcher) -> None:
-    from megatron_lora_patch.lora import grad_sync
+    from megatron_lora_patch.lora.training import grad_sync
 
     patcher.wrap(grad_sync, "replicated_adapter_params", _without_replicated(_is_dense_column_a))
 
 
 def skip_tp_sum_row_b(patcher: Patcher) -> None:
-    from megatron_lora_patch.lora import grad_sync
+    from megatron_lora_patch.lora.training import grad_sync
 
     patcher.wrap(grad_sync, "replicated_adapter_params", _without_replicated(_is_dense_row_b))
 
 
 def skip_expert_tp_sum(patcher: Patcher) -> None:
-    from megatron_lora_patch.lora import grad_sync
+    from megatron_lora_patch.lora.training import grad_sync
 
     patcher.wrap(grad_sync, "replicated_adapter_params", _without_replicated(_is_expert))
 
@@ -65,7 +64,7 @@ def _average_after_sum(wrapped, instance, args, kwargs):
     """SUM as usual, then divide by the domain size: an AVG all-reduce."""
     import torch.distributed
 
-    from megatron_lora_patch.lora import grad_sync
+    from megatron_lora_patch.lora.training import grad_sync
 
     chunks = list(args[0] if args else kwargs["model_chunks"])
     issued = wrapped(chunks)
@@ -77,7 +76,7 @@ def _average_after_sum(wrapped, instance, args, kwargs):
 
 
 def avg_instead_of_sum(patcher: Patcher) -> None:
-    from megatron_lora_patch.lora import grad_sync
+    from megatron_lora_patch.lora.training import grad_sync
 
     patcher.wrap(grad_sync, "sum_replicated_adapter_grads", _average_after_sum)
 
@@ -107,10 +106,10 @@ def _tp_world(adapter) -> int:
 def _qkv_b_sharded_as_q_k_v(adapter, layer, kwargs) -> None:
     """qkv B cut contiguously from `[all q | all k | all v]` instead of Megatron's per-group packing."""
     import torch
-
-    from megatron_lora_patch.lora import adapter as adapter_module
-    from megatron_lora_patch.lora.layouts import qkv_mixed_to_separate, shard
     from megatron.core.utils import get_pg_rank
+
+    from megatron_lora_patch.lora.adapters import adapter as adapter_module
+    from megatron_lora_patch.lora.adapters.layouts import qkv_mixed_to_separate, shard
 
     if not adapter.module_name.endswith("linear_qkv"):
         return
@@ -124,7 +123,7 @@ def _qkv_b_sharded_as_q_k_v(adapter, layer, kwargs) -> None:
 
 
 def wrong_qkv_packing(patcher: Patcher) -> None:
-    from megatron_lora_patch.lora.adapter import LoraAdapter
+    from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
 
     patcher.wrap(LoraAdapter, "__init__", _init_then(_qkv_b_sharded_as_q_k_v))
 
@@ -136,7 +135,7 @@ def _row_a_bound_from_local_fan_in(adapter, layer, kwargs) -> None:
 
 
 def xavier_fan_in_local_shard(patcher: Patcher) -> None:
-    from megatron_lora_patch.lora.adapter import LoraAdapter
+    from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
 
     patcher.wrap(LoraAdapter, "__init__", _init_then(_row_a_bound_from_local_fan_in))
 
@@ -149,7 +148,7 @@ def _expert_factors_on_dense_dp(adapter, layer, kwargs) -> None:
 
 
 def expert_grads_over_dense_dp(patcher: Patcher) -> None:
-    from megatron_lora_patch.lora.adapter import LoraAdapter
+    from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
 
     patcher.wrap(LoraAdapter, "__init__", _init_then(_expert_factors_on_dense_dp))
 
@@ -164,7 +163,7 @@ def _seeded_per_rank(wrapped, instance, args, kwargs):
 
 
 def rank_local_random_init(patcher: Patcher) -> None:
-    from megatron_lora_patch.lora import adapter
+    from megatron_lora_patch.lora.adapters import adapter
 
     patcher.wrap(adapter, "logical_factors", _seeded_per_rank)
 
@@ -174,7 +173,7 @@ def _plain_split(wrapped, instance, args, kwargs) -> int:
 
 
 def swiglu_gate_up_mismatch(patcher: Patcher) -> None:
-    from megatron_lora_patch.lora import attach
+    from megatron_lora_patch.lora.layers import attach
 
     patcher.wrap(attach, "_out_stride", _plain_split)
 
@@ -196,7 +195,7 @@ def _column_lora_on_local_input(wrapped, instance, args, kwargs):
 
 
 def lora_input_grad_outside_collective(patcher: Patcher) -> None:
-    from megatron_lora_patch.lora import linear
+    from megatron_lora_patch.lora.layers import linear
 
     patcher.wrap(linear, "column_call", _column_lora_on_local_input)
 
@@ -215,7 +214,7 @@ def _expert_row_term_all_reduced(wrapped, instance, args, kwargs):
 
 
 def full_output_on_partial_sum_expert_path(patcher: Patcher) -> None:
-    from megatron_lora_patch.lora.adapter import LoraAdapter
+    from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
 
     patcher.wrap(LoraAdapter, "up", _expert_row_term_all_reduced)
 
@@ -253,7 +252,7 @@ def _optimized_with_model_params(optimizer) -> Iterator[Tuple[Any, Any]]:
 
 def _replicated_counted_on_every_rank(wrapped, instance, args, kwargs):
     """Grad-norm inputs as if replicated factors carried `tensor_model_parallel=True`."""
-    from megatron_lora_patch.lora.metadata import adapter_info
+    from megatron_lora_patch.lora.adapters.metadata import adapter_info
 
     grads = wrapped(*args, **kwargs)
     counted = {id(grad) for grad in grads}
@@ -313,7 +312,7 @@ def finalize_with_local_trained_fully_grads(model, num_tokens=None, *args, **kwa
     DP rank's grad, scaled by 1/num_tokens but never summed over DP (a weight trained outside DDP's buffers)."""
     from megatron.core import distributed
 
-    from megatron_lora_patch.lora.trained_fully import is_trained_fully
+    from megatron_lora_patch.lora.layers.trained_fully import is_trained_fully
 
     local = [(param, param.main_grad.clone()) for chunk in model for param in chunk.parameters() if is_trained_fully(param)]
     result = distributed.finalize_model_grads(model, num_tokens, *args, **kwargs)  # all-reduces num_tokens in place

@@ -41,7 +41,7 @@ from megatron_lora_patch.proof.oracle.known_bugs import (
     wrong_qkv_packing,
     xavier_fan_in_local_shard,
 )
-from megatron_lora_patch.patching import Patcher
+from megatron_lora_patch.runtime.patching import Patcher
 
 
 @dataclasses.dataclass(frozen=True)

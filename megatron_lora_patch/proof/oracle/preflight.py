@@ -18,49 +18,14 @@ import dataclasses
 import functools
 import os
 import re
-import sys
 import time
-import warnings
 from typing import Any, Optional
 
-from megatron_lora_patch.errors import UsageError, one_line
 from megatron_lora_patch.proof.oracle.preflight_report import PreflightReport, drift
+from megatron_lora_patch.runtime.errors import UsageError
 
-DEFAULT_MICROBATCHES = 2
 GIB = 1024**3
 _WEIGHT = re.compile(r"[0-9.eE+-]+")  # a blend's weight in --data-path, as opposed to a dataset prefix
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse prints the usage line and exits 2 otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "preflight", help="check LoRA on your own model and topology (your pretrain_gpt.py arguments) against world-1",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--json", metavar="PATH", help="write the machine-readable report here")
-    parser.add_argument("--steps", type=_positive_int, default=2, help="optimizer steps K (default 2)")
-    parser.add_argument("--layers", type=_positive_int, help="layers to keep (default: the fewest holding every layer kind)")
-    parser.add_argument("--seq-length", type=_positive_int, help="sequence length (default: your --seq-length)")
-    parser.add_argument("--micro-batches", type=_positive_int, default=DEFAULT_MICROBATCHES,
-                        help=f"microbatches per data-parallel rank and step (default {DEFAULT_MICROBATCHES})")
-    parser.add_argument("--data-parallel-size", type=_positive_int,
-                        help="data-parallel size (default: the smallest that fits your expert grid)")
-    parser.add_argument("--mutation", help="re-introduce one of the oracle's known bugs (the preflight must then FAIL)")
-    parser.add_argument("--max-memory-gib", type=float, help="memory the world-1 reference may use (default: available RAM)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run before a world is killed")
-    parser.add_argument("-v", "--verbose", action="store_true", help="show the ranks' Megatron/torch warnings")
-    parser.add_argument("megatron_args", nargs=argparse.REMAINDER, help="-- then your pretrain_gpt.py arguments")
-    parser.set_defaults(run=run)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +152,8 @@ def _check_data(plan: Plan) -> None:
 def _user_patches() -> dict:
     """Which lora_correct patches a training job started with this environment gets (defaults, then
     MEGATRON_LORA_PATCH_<NAME> / MEGATRON_LORA_DISABLED_PATCHES; a bad value is one UsageError line)."""
-    from megatron_lora_patch import flags, lora_correct
+    from megatron_lora_patch.plugins import lora_correct
+    from megatron_lora_patch.runtime import flags
 
     defaults = {spec.name: spec.default for spec in lora_correct.megatron_lora_patch_patches()}
     return {name: decision[0] for name, decision in flags.resolve_enabled(defaults).items()}
@@ -242,23 +208,6 @@ def _check_memory(spec, limit_gib: Optional[float]) -> int:
         f"the world-1 reference cannot fit: ~{parameters / 1e6:.3g}M parameters need ~{needed:.3g} GiB, "
         f"{available / GIB:.3g} GiB available; {hint}"
     )
-
-
-def run(options: argparse.Namespace) -> int:
-    with warnings.catch_warnings():
-        if not options.verbose:  # Megatron's import-time notices (no Apex / TE) are noise in this process too
-            warnings.simplefilter("ignore")
-        try:
-            plan = make_plan(options)
-        except UsageError as error:
-            print(one_line(error), file=sys.stderr)
-            return 2
-        print(plan.summary(), flush=True)
-        report = run_plan(plan)
-    print(report.table())
-    if options.json:
-        report.write_json(options.json)
-    return 0 if report.passed else 1
 
 
 def run_plan(plan: Plan):

@@ -15,7 +15,7 @@ import contextlib
 import importlib.util
 from typing import Any, List, Sequence
 
-from megatron_lora_patch.errors import UsageError
+from megatron_lora_patch.runtime.errors import UsageError
 
 #: Pattern symbol -> layer kind, for the layers the preflight builds (Megatron's `Symbols`).
 KINDS = {"*": "attention", "-": "mlp", "E": "moe"}

@@ -30,8 +30,8 @@ import math
 import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from megatron_lora_patch.errors import UsageError
 from megatron_lora_patch.proof.testbed.args_hybrid import build_hybrid_model, hybrid_layer_kinds, kept_pattern
+from megatron_lora_patch.runtime.errors import UsageError
 
 DENSE, MOE = "dense", "moe"
 #: What does not run on CPU (fused CUDA kernels: the same math; TE): (argument, value).
@@ -111,7 +111,7 @@ def _cpu_host(arguments_module):
 
     import torch
 
-    from megatron_lora_patch.patching import Patcher
+    from megatron_lora_patch.runtime.patching import Patcher
 
     patcher = Patcher()
     saved = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")

@@ -33,7 +33,6 @@ import copy
 from typing import Optional
 
 import torch
-
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.dot_product_attention import DotProductAttention

@@ -15,7 +15,8 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
-from megatron_lora_patch.proof.testbed import data as testing_data, distributed_optimizer
+from megatron_lora_patch.proof.testbed import data as testing_data
+from megatron_lora_patch.proof.testbed import distributed_optimizer
 from megatron_lora_patch.proof.testbed.pretrain import PER_TOKEN, forward_step_for
 from megatron_lora_patch.proof.testbed.rank import to_cpu
 

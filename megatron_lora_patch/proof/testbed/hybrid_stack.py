@@ -54,7 +54,7 @@ def local_final_norm(norm_class: Any):
     is absent on CPU; the local norm computes the same function (`config.normalization`)."""
     from megatron.core.models.hybrid import hybrid_block
 
-    from megatron_lora_patch.patching import Patcher
+    from megatron_lora_patch.runtime.patching import Patcher
 
     patcher = Patcher()
     patcher.replace(hybrid_block, "TENorm", norm_class)

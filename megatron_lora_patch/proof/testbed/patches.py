@@ -15,10 +15,10 @@ TESTBED_PLUGINS = ("lora_correct", "cpu_testbed")
 
 def all_patch_names() -> tuple[str, ...]:
     """Every patch of `TESTBED_PLUGINS`, in application order."""
-    from megatron_lora_patch import lora_correct
-    from megatron_lora_patch.cpu_testbed import plugin as testbed
+    from megatron_lora_patch.plugins import cpu_testbed as testbed
+    from megatron_lora_patch.plugins import lora_correct
 
-    return testbed.PATCH_MODULES + lora_correct.PATCH_MODULES
+    return testbed.PATCH_NAMES + lora_correct.PATCH_NAMES
 
 
 def apply_only(names: Collection[str], strict: Optional[bool] = None) -> list:

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from megatron_lora_patch.errors import UsageError
+from megatron_lora_patch.runtime.errors import UsageError
 
 __all__ = ["Topology", "TopologyError"]
 

@@ -1,0 +1,37 @@
+"""`megatron-lora-patch export`: an adapter-only Megatron checkpoint -> a Hugging Face PEFT adapter."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+
+def add_parser(commands) -> None:
+    """Register the `export` subcommand on the CLI's subparsers."""
+    export = commands.add_parser(
+        "export",
+        help="write adapter_model.safetensors + adapter_config.json from a checkpoint with LoRA adapters",
+        description=(
+            "Read the LoRA adapters (only) of a checkpoint the plugin wrote on any topology: a Megatron-LM "
+            "--save directory (its latest iteration), an iter_NNNNNNN directory, or an adapter-only "
+            "checkpoint (megatron_lora_patch.lora.checkpoints.checkpoint.save_adapters); write a PEFT LoRA "
+            "adapter: fused qkv split into q/k/v_proj (GQA), SwiGLU fc1 into gate/up_proj. A non-empty "
+            "--out is refused unless --force; the adapter is written beside it and moved into place when complete."
+        ),
+    )
+    export.add_argument("--checkpoint", required=True, help="Megatron-LM --save or iter_NNNNNNN directory, or adapter-only checkpoint")
+    export.add_argument("--out", required=True, help="output directory for the PEFT adapter")
+    export.add_argument("--family", default="llama", help="HF module names: llama (default), mistral, qwen2, qwen3, qwen3_moe, mixtral (MoE experts)")
+    export.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    export.set_defaults(run=run_export)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    with warnings.catch_warnings():
+        # Megatron's import-time notices (no Transformer Engine / Apex) are noise for a file conversion.
+        warnings.simplefilter("ignore")
+        from megatron_lora_patch.lora.exchange.transfer import ArgumentNames, export_peft
+
+        tensors = export_peft(args.checkpoint, args.out, args.family, overwrite=args.force, names=ArgumentNames("--checkpoint", "--out", "--family", "pass --force"))
+    print(f"wrote {len(tensors)} tensors to {args.out}")
+    return 0

@@ -1,0 +1,179 @@
+"""`megatron-lora-patch oracle`: every topology's LoRA training step against world-1.
+
+Exit code 0 only if every topology matched and, with --mutations, every mutation was caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+
+#: Runs in under 3 minutes on 2 CPU cores: every parallel dimension once, 2 ranks each.
+DEFAULT_TOPOLOGIES = ("tp2", "tp2-sp", "dp2", "pp2", "cp2", "ep2", "tp2-etp2-sp")
+#: The full matrix, up to 8 ranks: CP, PP, ETP, 4- and 8-rank combinations.
+ALL_TOPOLOGIES = DEFAULT_TOPOLOGIES + (
+    "tp4",
+    "tp4-sp",
+    "dp4",
+    "pp4",
+    "cp4",
+    "tp2-dp2",
+    "tp2-pp2",
+    "tp2-pp2-sp",
+    "tp2-cp2",
+    "cp2-dp2",
+    "pp2-dp2",
+    "tp2-pp2-dp2",
+    "tp2-pp2-dp2-sp",
+    "tp4-dp2-sp",
+    "dp4-ep2",
+    "ep4",
+    "ep2-pp2",
+    "tp2-ep2-sp",
+    "tp2-ep2-etp2-sp",
+    "tp4-ep2-etp2-sp",
+    "tp2-ep2-etp2-pp2-sp",
+)
+
+
+#: Thresholds are calibrated up to this many optimizer steps (proof/oracle/thresholds.py).
+MAX_STEPS = 20
+MAX_SEED = 2**31 - 1  # numpy seeds each rank with seed + 100 * pp_rank: stay below 2**32
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "oracle",
+        help="check that every topology's LoRA training step matches world-1 (and that known bugs are caught)",
+        description=__doc__,
+    )
+    parser.add_argument(
+        "--topologies",
+        default="default",
+        help="comma list of topology specs (tp2-sp, dp2, pp2, ep2-dp2, tp2-ep2-etp2-sp, cp2, ...), "
+        f"'default' ({','.join(DEFAULT_TOPOLOGIES)}) or 'all' ({len(ALL_TOPOLOGIES)} topologies, up to 8 ranks)",
+    )
+    parser.add_argument("--mutations", default="none", help="none, all, or a comma list of mutation names")
+    parser.add_argument("--steps", default="2", help=f"optimizer steps K, 1 to {MAX_STEPS} (default 2)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--model", choices=("dense", "moe", "hybrid", "auto"), default="auto",
+                        help="auto: the MoE model for topologies with ep/etp, the dense GQA model otherwise; "
+                        "hybrid: a HybridModel of attention and MLP layers (Megatron-Core 0.18+)")
+    parser.add_argument("--json", metavar="PATH", help="write the machine-readable report here")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG heat map of per-layer errors (needs matplotlib)")
+    parser.add_argument("--seed", default="1234", help=f"0 to {MAX_SEED} (default 1234)")
+    parser.add_argument("--tp-invariant", action="store_true",
+                        help="run with the tp_invariant patch; pass only on bitwise-identical results (tp/sp topologies)")
+    parser.add_argument("--timeout", default="600", help="seconds per run before a world is killed (default 600)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the ranks' Megatron/torch warnings")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_lora_patch.proof.oracle.harness import run_oracle
+
+    topologies, mutations, settings = check_arguments(args)
+    report = run_oracle(topologies, mutations, settings, rank_warnings="default" if args.verbose else "ignore")
+    print(report.table())
+    if args.json:
+        report.write_json(args.json)
+    if args.plot:
+        from megatron_lora_patch.proof.oracle import plot
+
+        plot.heat_map(report, args.plot)
+    return 0 if report.passed else 1
+
+
+def check_arguments(args: argparse.Namespace) -> tuple:
+    """(topologies, mutations, settings) from the command line, or one OracleError (a UsageError)
+    naming the option, the value and the fix: every check runs before any world is spawned."""
+    from megatron_lora_patch.proof.oracle.harness import OracleError, OracleSettings, check_topology, mutations_named
+    from megatron_lora_patch.proof.oracle.mutations import MUTATIONS
+    from megatron_lora_patch.proof.testbed.topology import Topology
+
+    settings = OracleSettings(
+        steps=_integer("--steps", args.steps, 1, MAX_STEPS),
+        dtype=args.dtype,
+        seed=_integer("--seed", args.seed, 0, MAX_SEED),
+        model=args.model,
+        tp_invariant=args.tp_invariant,
+        timeout_s=_seconds("--timeout", args.timeout),
+    )
+    topologies = _select(args.topologies, "--topologies", {"default": DEFAULT_TOPOLOGIES, "all": ALL_TOPOLOGIES})
+    mutations = mutations_named(_select(args.mutations, "--mutations", {"none": (), "all": tuple(MUTATIONS)}))
+    if settings.tp_invariant and mutations:
+        raise OracleError("--tp-invariant runs without mutations: they re-introduce bugs the invariant mode bypasses; "
+                          "drop --mutations")
+    for spec in topologies:
+        topology = Topology.parse(spec)
+        if topology.world_size == 1:
+            raise OracleError(f"--topologies: {spec!r} is the world-1 reference itself; list topologies of 2 or more ranks")
+        check_topology(topology, settings)
+    for option in ("--json", "--plot"):
+        if getattr(args, option[2:]):
+            _check_writable(option, getattr(args, option[2:]))
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise OracleError(f"--plot {args.plot}: the heat map is a PNG; give a path ending in .png")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (the heat map's one extra requirement)
+        except ImportError:
+            raise OracleError("--plot needs matplotlib: pip install 'megatron-lora-patch[plot]'") from None
+    return topologies, mutations, settings
+
+
+def _select(value: str, option: str, named: dict) -> tuple:
+    from megatron_lora_patch.proof.oracle.harness import OracleError
+
+    if value in named:
+        return tuple(named[value])
+    items = tuple(item.strip() for item in value.split(",") if item.strip())
+    if not items:
+        raise OracleError(f"{option} needs {', '.join(named)} or a comma list; got {value!r}")
+    repeated = [item for index, item in enumerate(items) if item in items[:index]]
+    if repeated:
+        raise OracleError(f"{option} lists {repeated[0]!r} twice; give each once")
+    return items
+
+
+def _integer(option: str, text: str, low: int, high: int) -> int:
+    from megatron_lora_patch.proof.oracle.harness import OracleError
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise OracleError(f"{option} must be an integer from {low} to {high}, got {text!r}")
+    return value
+
+
+def _seconds(option: str, text: str) -> float:
+    from megatron_lora_patch.proof.oracle.harness import OracleError
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise OracleError(f"{option} must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _check_writable(option: str, path: str) -> None:
+    """The report can be written at `path`: its directory exists and takes a file (tried, not guessed)."""
+    from megatron_lora_patch.proof.oracle.harness import OracleError
+
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise OracleError(f"{option} {path}: is a directory; give a file path such as {os.path.join(path, 'oracle.out')}")
+    if not os.path.isdir(directory):
+        problem = "is not a directory" if os.path.exists(directory) else "does not exist"
+        raise OracleError(f"{option} {path}: {directory} {problem}; create the directory or choose another path")
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        raise OracleError(f"{option} {path}: cannot write in {directory} ({error.strerror}); choose another path") from None

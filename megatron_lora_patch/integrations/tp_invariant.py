@@ -1,0 +1,75 @@
+"""The hooks the `tp_invariant` patch installs: each routes one Megatron-Core target to the
+TP-invariant math of this package (`linear`, `loss`, `grad_norm`; docs/architecture.md section 7).
+"""
+
+from __future__ import annotations
+
+import sys
+
+CROSS_ENTROPY_MODULE = "megatron.core.tensor_parallel.cross_entropy"
+
+
+def patch_layers(patcher, layers) -> None:
+    """Column / row parallel linears as full world-size-1 GEMMs with the LoRA branch at full width."""
+    from megatron_lora_patch.lora.training import grad_sync
+    from megatron_lora_patch.runtime.registry import SkipPatch
+    from megatron_lora_patch.tp_invariant import cache
+    from megatron_lora_patch.tp_invariant.linear import column_forward_impl, row_forward_impl
+
+    for layer_class in (layers.ColumnParallelLinear, layers.RowParallelLinear):
+        if "_forward_impl" not in vars(layer_class):
+            raise SkipPatch(f"{layer_class.__name__}._forward_impl is not a method in this Megatron-Core (needs >= 0.14)")
+    patcher.wrap(layers.ColumnParallelLinear, "_forward_impl", column_forward_impl)
+    patcher.wrap(layers.RowParallelLinear, "_forward_impl", row_forward_impl)
+    # Their LoRA branch runs at full width on every TP rank: dense replicated factors' grads are
+    # already complete there, and the finalize SUM would multiply them by the TP size.
+    previous = grad_sync.set_complete_domains({"tp"})
+    patcher.on_revert(lambda: grad_sync.set_complete_domains(previous))
+    patcher.on_revert(cache.clear)  # the gathered weights belong to the mode that is being turned off
+
+
+def _mark_gated_fc1(wrapped, instance, args, kwargs):
+    from megatron_lora_patch.tp_invariant.linear import OUT_STRIDE_ATTRIBUTE
+
+    wrapped(*args, **kwargs)
+    if instance.config.gated_linear_unit and hasattr(instance.linear_fc1, "tp_group"):
+        setattr(instance.linear_fc1, OUT_STRIDE_ATTRIBUTE, 2)
+
+
+def patch_mlp(patcher, mlp) -> None:
+    """A gated (SwiGLU) fc1 is gathered as `[gate; up]` even where its partition_stride is 1."""
+    patcher.wrap(mlp.MLP, "__init__", _mark_gated_fc1)
+
+
+def patch_cross_entropy(patcher, tensor_parallel) -> None:
+    """Wrap the function in its module and point the package re-export at the same wrapper."""
+    from megatron_lora_patch.tp_invariant.loss import vocab_parallel_cross_entropy
+
+    module = sys.modules[CROSS_ENTROPY_MODULE]
+    original = module.vocab_parallel_cross_entropy
+    patched = patcher.wrap(module, "vocab_parallel_cross_entropy", vocab_parallel_cross_entropy)
+    if tensor_parallel.vocab_parallel_cross_entropy is original:
+        patcher.replace(tensor_parallel, "vocab_parallel_cross_entropy", patched)
+
+
+def patch_language_module(patcher, language_module) -> None:
+    """The fused cross entropy on gathered logits too."""
+    from megatron_lora_patch.tp_invariant.loss import fused_vocab_parallel_cross_entropy
+
+    patcher.wrap(language_module, "fused_vocab_parallel_cross_entropy", fused_vocab_parallel_cross_entropy)
+
+
+#: The optimizer classes whose `step_with_ready_grads` writes the params (the chained one calls the others).
+STEPPING_OPTIMIZERS = ("MixedPrecisionOptimizer", "FP32Optimizer", "ChainedOptimizer")
+
+
+def patch_optimizer(patcher, optimizer) -> None:
+    """The grad norm (and clipping) of the logical grads in float64; after each param update the
+    cached full LoRA factors are gathered again (`tp_invariant.cache`)."""
+    from megatron_lora_patch.tp_invariant import cache, grad_norm
+
+    patcher.wrap(optimizer.MegatronOptimizer, "get_grad_norm", grad_norm.get_grad_norm)
+    patcher.wrap(optimizer.MegatronOptimizer, "clip_grad_norm", grad_norm.clip_grad_norm)
+    patcher.wrap(optimizer.ChainedOptimizer, "get_grad_norm", grad_norm.chained_get_grad_norm)
+    for name in STEPPING_OPTIMIZERS:
+        patcher.wrap(getattr(optimizer, name), "step_with_ready_grads", cache.optimizer_stepped)

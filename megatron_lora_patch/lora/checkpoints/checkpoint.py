@@ -1,0 +1,292 @@
+"""LoRA adapters in Megatron distributed checkpoints (`megatron.core.dist_checkpointing`).
+
+A parallel linear's own `sharded_state_dict` sees `lora.A` / `lora.B` in its plain
+state dict and would mark both as replicated over TP. `layer_sharded_state_dict` (the
+`lora_checkpoint` patch wraps the layers' method with it) replaces those two entries with
+`adapter_sharded_state_dict`, which describes each factor the way Megatron describes the
+base weight beside it (docs/architecture.md section 4):
+
+- the sharded factor (column B on dim 0, row A on dim 1) is a TP-sharded tensor with
+  replica id `(0, 0, dp_rank)`, exactly like the weight;
+- the replicated factor (column A, row B) has replica id `(0, tp_rank, dp_rank)`, so
+  only one rank of its shard domain writes it;
+- a SwiGLU fc1 B (stride 2, each shard is `[gate_shard; up_shard]`) goes through
+  Megatron's `apply_swiglu_sharded_factory`, like the fc1 weight in `MLP.sharded_state_dict`;
+- the groups are the wrapped layer's: for expert linears the expert-TP group, and
+  `SequentialMLP.sharded_state_dict` adds the expert axis and the expert-DP replica id
+  around it, as it does for the expert weights.
+
+The saved tensors are therefore the logical (world-size-1) factors, stacked over layers
+(and experts), and load onto any topology. `save_adapters` / `load_adapters` write and
+read an adapter-only checkpoint (the base weights are left out) with a description of
+the model in its common state, which `peft` export reads.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Dict, Iterable, Optional
+
+import torch
+
+from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
+from megatron_lora_patch.lora.adapters.metadata import ADAPTER_NAME
+from megatron_lora_patch.lora.checkpoints import staging
+from megatron_lora_patch.lora.layers import trained_fully
+from megatron_lora_patch.runtime.errors import UsageError
+
+#: Common-state entry of an adapter-only checkpoint: the model and LoRA description.
+DESCRIPTION_KEY = "megatron_lora_patch"
+#: Version of the description layout; bumped when its fields change meaning.
+DESCRIPTION_FORMAT = 1
+#: How the saved factors are laid out: fused qkv B rows per query group `[q heads, k, v]`,
+#: SwiGLU fc1 B rows `[gate; up]`, stacked over layers (axis 0) and experts (axis 1).
+LAYOUT = "megatron"
+_ADAPTER_SEGMENT = f".{ADAPTER_NAME}."
+
+
+class AdapterCheckpointError(UsageError, ValueError):
+    """An adapter checkpoint is missing, foreign or does not fit the model (the message is one line)."""
+
+
+def _data_parallel_rank(metadata: Optional[dict]) -> int:
+    """Rank in the DP x CP group: from `metadata` (Megatron-Core >= 0.14 passes it) or parallel_state."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_pg_rank
+
+    group = (metadata or {}).get("dp_cp_group")
+    if group is not None:
+        return get_pg_rank(group)
+    return parallel_state.get_data_parallel_rank(with_context_parallel=True)
+
+
+def _swiglu_factory(sharded: Any, sharded_offsets: tuple, metadata: Optional[dict]) -> Any:
+    """Megatron's fc1 swiglu factory (its `singleton_local_shards` argument exists from 0.14 on)."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    if "singleton_local_shards" in inspect.signature(apply_swiglu_sharded_factory).parameters:
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        return apply_swiglu_sharded_factory(sharded, sharded_offsets, singleton)
+    return apply_swiglu_sharded_factory(sharded, sharded_offsets)
+
+
+def adapter_sharded_state_dict(
+    adapter: LoraAdapter, prefix: str, sharded_offsets: tuple = (), metadata: Optional[dict] = None
+) -> Dict[str, Any]:
+    """`{prefix}A` and `{prefix}B` as ShardedTensors (or a SwiGLU factory) with their true sharding.
+
+    Built with `ShardedTensor.from_rank_offsets` on the adapter's own TP group (the
+    expert-TP group for expert linears) so it reads the same on every supported
+    Megatron-Core; replica ids are `(pipeline, tp, dp)` like Megatron's helpers make them.
+    """
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.utils import get_pg_rank, get_pg_size
+
+    tp_rank, tp_size = get_pg_rank(adapter.tp_group), get_pg_size(adapter.tp_group)
+    dp_rank = _data_parallel_rank(metadata)
+    prepend = len(sharded_offsets)
+    sharded_factor, axis = ("B", 0) if adapter.parallel_mode == "column" else ("A", 1)
+    entries: Dict[str, Any] = {}
+    for factor in ("A", "B"):
+        key, tensor = f"{prefix}{factor}", getattr(adapter, factor)
+        if factor != sharded_factor:
+            # Same values on every rank of the TP domain: only TP rank 0 (and DP rank 0) writes it.
+            entries[key] = ShardedTensor.from_rank_offsets(
+                key, tensor, *sharded_offsets, replica_id=(0, tp_rank, dp_rank), prepend_axis_num=prepend
+            )
+            continue
+        sharded = ShardedTensor.from_rank_offsets(
+            key, tensor, *sharded_offsets, (axis + prepend, tp_rank, tp_size),
+            replica_id=(0, 0, dp_rank), prepend_axis_num=prepend,
+        )
+        if getattr(tensor, "partition_stride", 1) == 2:  # SwiGLU fc1: [gate_shard; up_shard]
+            sharded = _swiglu_factory(sharded, sharded_offsets, metadata)
+        entries[key] = sharded
+    return entries
+
+
+def _bind_layer_arguments(method: Any, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    bound = inspect.signature(method).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound
+
+
+def layer_sharded_state_dict(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Dict[str, Any]:
+    """wrapt wrapper of Column/RowParallelLinear.sharded_state_dict: the adapter entries done right."""
+    result = wrapped(*args, **kwargs)
+    adapter = getattr(instance, "_modules", {}).get(ADAPTER_NAME)
+    if adapter is None:
+        return result
+    call = _bind_layer_arguments(wrapped, args, kwargs).arguments
+    adapter_prefix = f"{call['prefix']}{ADAPTER_NAME}."
+    for key in [key for key in result if key.startswith(adapter_prefix)]:
+        del result[key]  # Megatron's entries treat both factors as replicated
+    result.update(adapter_sharded_state_dict(adapter, adapter_prefix, call["sharded_offsets"], call["metadata"]))
+    return result
+
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a (sharded) state-dict key belongs to a LoRA adapter."""
+    return _ADAPTER_SEGMENT in key
+
+
+def adapters_of(chunks: Iterable[torch.nn.Module]) -> Dict[str, LoraAdapter]:
+    """Canonical module name -> adapter, over this rank's model chunks."""
+    found = {}
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, LoraAdapter):
+                found[module.module_name] = module
+    return found
+
+
+def single_model(chunks: Iterable[torch.nn.Module]) -> torch.nn.Module:
+    """The one model chunk of this rank, unwrapped from DDP / Float16Module (adapter checkpoints take one)."""
+    chunks = list(chunks)
+    if len(chunks) != 1:
+        raise AdapterCheckpointError(
+            f"adapter checkpoints take one model chunk per rank, got {len(chunks)} (virtual pipeline stages)"
+        )
+    model = chunks[0]
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module  # DDP / Float16Module wrappers
+    return model
+
+
+def adapter_only_sharded_state_dict(chunks: Iterable[torch.nn.Module]) -> Dict[str, Any]:
+    """The model's sharded state dict restricted to adapter entries and fully trained weights
+    (`modules_to_save`, described by Megatron itself: vocab-parallel shards); other base weights left out."""
+    model = single_model(chunks)
+    kept = trained_fully.state_keys(model)
+    return {key: value for key, value in model.sharded_state_dict().items() if is_adapter_key(key) or key in kept}
+
+
+def describe(chunks: Iterable[torch.nn.Module]) -> Dict[str, Any]:
+    """Plain-data description of the model and its adapters (what an exporter needs besides tensors)."""
+    model = single_model(chunks)
+    config = model.config
+    adapters = list(adapters_of([model]).values())
+    if not adapters:
+        raise AdapterCheckpointError("the model has no LoRA adapters to save; attach them first (lora_linear patch)")
+    return {
+        "format": DESCRIPTION_FORMAT,
+        **adapters[0].lora_config.description(),  # rank, alpha, rslora, patterns, modules_to_save
+        "targets": sorted({adapter.module_name.rsplit(".", 1)[-1] for adapter in adapters}),
+        "layout": LAYOUT,
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_query_groups": config.num_query_groups or config.num_attention_heads,
+        "kv_channels": config.kv_channels,
+        "gated_linear_unit": bool(config.gated_linear_unit),
+        "num_experts": config.num_moe_experts or 0,
+        "tied_embeddings": bool(getattr(model, "share_embeddings_and_output_weights", False)),
+    }
+
+
+def _rank_zero() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _from_rank_zero(value: Optional[str]) -> str:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value  # type: ignore[return-value]
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def save_adapters(chunks: Iterable[torch.nn.Module], directory: str, overwrite: bool = False) -> None:
+    """Write an adapter-only distributed checkpoint of this rank's model (collective: call on every rank).
+
+    A non-empty `directory` (another checkpoint, a base model) is refused unless `overwrite`;
+    the ranks write into a staging directory beside it that replaces it only when complete.
+    """
+    from megatron.core import dist_checkpointing
+
+    chunks = list(chunks)
+    state = adapter_only_sharded_state_dict(chunks)
+    state[DESCRIPTION_KEY] = describe(chunks)
+    label = "save_adapters: directory"
+    staging.check_target(directory, label, "pass overwrite=True", overwrite)
+    _barrier()  # every rank has seen the target as it was before anyone writes
+    partial = _from_rank_zero(staging.make_staging(directory, label) if _rank_zero() else None)
+    try:
+        dist_checkpointing.save(state, partial)
+        _barrier()
+    except BaseException:
+        if _rank_zero():
+            staging.discard(partial)
+        raise
+    if _rank_zero():
+        staging.publish(partial, directory, label)
+    _barrier()
+
+
+def read_description(directory: str, label: str = "adapter checkpoint") -> Dict[str, Any]:
+    """The description saved by `save_adapters`, or a one-line `AdapterCheckpointError` saying what `directory` is."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CONFIG_FNAME
+
+    fix = "pass the directory save_adapters wrote"
+    if not directory:
+        raise AdapterCheckpointError(f"{label} is empty; {fix}")
+    if not os.path.exists(directory):
+        raise AdapterCheckpointError(f"{label} {directory} does not exist; {fix}")
+    if not os.path.isdir(directory):
+        raise AdapterCheckpointError(f"{label} {directory} is a file, not a directory; {fix}")
+    if not os.path.isfile(os.path.join(directory, CONFIG_FNAME)):
+        raise AdapterCheckpointError(
+            f"{label} {directory} is not a Megatron distributed checkpoint (no {CONFIG_FNAME}); {fix}"
+        )
+    try:
+        common = dist_checkpointing.load_common_state_dict(directory)
+    except Exception as error:  # a damaged common state fails in several ways
+        raise AdapterCheckpointError(f"{label} {directory} is an unreadable distributed checkpoint: {error}") from None
+    description = common.get(DESCRIPTION_KEY) if isinstance(common, dict) else None
+    if not isinstance(description, dict) or description.get("format") != DESCRIPTION_FORMAT:
+        raise AdapterCheckpointError(
+            f"{label} {directory} holds no megatron-lora-patch adapters (a base-model checkpoint?); "
+            f"write one with megatron_lora_patch.lora.checkpoints.checkpoint.save_adapters"
+        )
+    return description
+
+
+def load_adapters(chunks: Iterable[torch.nn.Module], directory: str) -> None:
+    """Load an adapter-only checkpoint into this rank's adapters (collective), whatever topology saved it."""
+    from megatron.core import dist_checkpointing
+
+    chunks = list(chunks)
+    saved, here = read_description(directory), describe(chunks)
+    saved.setdefault("modules_to_save", [])  # written before modules_to_save existed
+    for field in ("rank", "modules_to_save", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                  "num_experts"):
+        if saved[field] != here[field]:
+            raise AdapterCheckpointError(
+                f"{directory}: checkpoint {field}={saved[field]} but this model has {field}={here[field]}; "
+                f"build the model (and MEGATRON_LORA_RANK, _MODULES_TO_SAVE) as when it was saved"
+            )
+    separate = bool(saved.get("separate_projections", False))  # older checkpoints: one A per fused layer
+    if separate != here["separate_projections"]:
+        raise AdapterCheckpointError(
+            f"{directory}: checkpoint {'has' if separate else 'has no'} separate q/k/v and gate/up adapters but this "
+            f"model {'has no' if separate else 'has'} them; set MEGATRON_LORA_SEPARATE_PROJECTIONS={int(separate)}"
+        )
+    sharded = adapter_only_sharded_state_dict(chunks)
+    loaded = dist_checkpointing.load(sharded, directory)
+    parameters = dict(single_model(chunks).named_parameters())
+    with torch.no_grad():
+        for key in sharded:  # `loaded` also holds the common state (the description)
+            parameters[key].copy_(loaded[key])

@@ -1,0 +1,91 @@
+"""Output directories that are never overwritten by accident and never left half-written.
+
+`check_target` refuses a target that is a file, that is not empty (unless the caller
+passed overwrite / `--force`), or that cannot be created; it runs before any work.
+The output is then written into a staging directory beside the target (same parent,
+so the final rename stays on one filesystem) and `publish` moves it into place: an
+interrupted write leaves the old target as it was. `staged` does both for one process;
+`checkpoint.save_adapters` uses the pieces across ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from typing import Iterator
+
+from megatron_lora_patch.runtime.errors import UsageError
+
+
+class OutputDirectoryError(UsageError):
+    """An output directory cannot be used as asked (the message names it and the fix)."""
+
+
+def _nearest_existing(path: str) -> str:
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_target(path: str, label: str, overwrite_hint: str, overwrite: bool) -> None:
+    """Refuse `path` (named `label` in messages) if it is a file, non-empty without `overwrite`, or not creatable."""
+    if not path:
+        raise OutputDirectoryError(f"{label} is empty; name an output directory")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise OutputDirectoryError(f"{label} {path} is a file, not a directory; name a directory")
+    if os.path.isdir(path) and os.listdir(path) and not overwrite:
+        raise OutputDirectoryError(
+            f"{label} {path} is not empty; {overwrite_hint} to replace it, or name a new directory"
+        )
+    parent = os.path.dirname(os.path.abspath(path))
+    existing = _nearest_existing(parent)
+    if not os.path.isdir(existing):
+        raise OutputDirectoryError(f"{label} {path} cannot be created: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputDirectoryError(f"{label} {path} cannot be created: {existing} is not writable")
+
+
+def make_staging(path: str, label: str) -> str:
+    """A new empty directory beside `path` (its parent created if needed) to write the output into."""
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        return tempfile.mkdtemp(dir=parent, prefix=f".{name}.partial-")
+    except OSError as error:
+        raise OutputDirectoryError(f"{label} {path} cannot be created in {parent}: {error.strerror}") from None
+
+
+def publish(staging: str, path: str, label: str) -> None:
+    """Move the finished `staging` directory to `path`; an existing `path` is removed only once replaced."""
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        if not os.path.isdir(path):
+            os.rename(staging, path)
+            return
+        replaced = tempfile.mkdtemp(dir=parent, prefix=f".{name}.replaced-")
+        os.rename(path, replaced)  # onto the empty directory just made (POSIX rename replaces it)
+        os.rename(staging, path)
+    except OSError as error:
+        raise OutputDirectoryError(
+            f"{label} {path} could not be put in place ({error.strerror}); the output is in {staging}"
+        ) from None
+    shutil.rmtree(replaced)
+
+
+def discard(staging: str) -> None:
+    """Remove a staging directory whose output was not finished."""
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged(path: str, label: str) -> Iterator[str]:
+    """Yield a staging directory for `path`; on success it becomes `path`, on any error it is removed."""
+    staging = make_staging(path, label)
+    try:
+        yield staging
+    except BaseException:
+        discard(staging)
+        raise
+    publish(staging, path, label)

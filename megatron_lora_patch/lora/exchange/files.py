@@ -1,0 +1,60 @@
+"""A PEFT adapter directory on disk: `adapter_model.safetensors`, `adapter_config.json` and this
+package's `megatron_lora_patch.json` (the model family), written with deterministic bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Tuple
+
+import torch
+
+from megatron_lora_patch.lora.exchange.names import (
+    CONFIG_NAME,
+    LEGACY_METADATA_KEY,
+    METADATA_NAME,
+    WEIGHTS_NAME,
+    PeftFormatError,
+)
+
+
+def write(out_dir: str, tensors: Dict[str, torch.Tensor], config: dict, family: str = "llama") -> None:
+    """Write `adapter_model.safetensors`, `adapter_config.json` and `megatron_lora_patch.json` (deterministic bytes)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
+    for name, data in ((CONFIG_NAME, config), (METADATA_NAME, {"family": family})):
+        with open(os.path.join(out_dir, name), "w") as handle:
+            json.dump(data, handle, indent=2, sort_keys=True)
+            handle.write("\n")
+
+
+def _load_json(path: str) -> Any:
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except ValueError as error:
+        raise PeftFormatError(f"{path}: invalid JSON: {error}") from None
+
+
+def read(peft_dir: str) -> Tuple[Dict[str, torch.Tensor], dict, str]:
+    """PEFT tensors, config and model family from a directory, or a one-line `PeftFormatError`.
+
+    The family comes from `megatron_lora_patch.json`, else from the key older exports embedded
+    in the config, else it is "llama" (an adapter written by peft itself).
+    """
+    from safetensors.torch import load_file
+
+    weights, config_path = os.path.join(peft_dir, WEIGHTS_NAME), os.path.join(peft_dir, CONFIG_NAME)
+    for path in (weights, config_path):
+        if not os.path.isfile(path):
+            raise PeftFormatError(f"{peft_dir}: no {os.path.basename(path)}; expected a PEFT LoRA adapter directory")
+    config = _load_json(config_path)
+    metadata_path = os.path.join(peft_dir, METADATA_NAME)
+    if os.path.isfile(metadata_path):
+        metadata = _load_json(metadata_path)
+    else:
+        metadata = config.get(LEGACY_METADATA_KEY) if isinstance(config, dict) else None
+    family = metadata.get("family", "llama") if isinstance(metadata, dict) else "llama"
+    return load_file(weights), config, family

@@ -1,0 +1,240 @@
+"""Hugging Face PEFT export / import of LoRA adapters (`adapter_model.safetensors` + `adapter_config.json`).
+
+The logical (world-size-1) adapters are the source and target of both directions:
+export reads them from an adapter-only distributed checkpoint (`checkpoint.save_adapters`;
+Megatron's `dist_checkpointing` gathers the TP / EP / PP shards), import slices them
+onto this rank's adapters (any topology). Conversion, per transformer layer i:
+
+| Megatron module            | PEFT modules (Llama names)                  | how                           |
+|----------------------------|---------------------------------------------|-------------------------------|
+| self_attention.linear_qkv  | self_attn.q_proj, k_proj, v_proj            | B split from the mixed per-query-group rows (GQA); the one A copied to all three |
+| self_attention.linear_proj | self_attn.o_proj                            | as is                         |
+| mlp.linear_fc1 (SwiGLU)    | mlp.gate_proj, up_proj                      | B rows [gate; up] split; A copied |
+| mlp.linear_fc2             | mlp.down_proj                               | as is                         |
+
+With `separate_projections` each projection gets its own A rows and B block (lora/projections.py).
+PEFT's scaling `lora_alpha / r` (`lora_alpha / sqrt(r)` with `use_rslora`) is the adapter's
+`s`; per-module ranks and alphas travel as PEFT's `rank_pattern` / `alpha_pattern` (keys are
+regexes matched against the end of a module path, the first matching key wins): export writes a
+projection name (`gate_proj`) when every layer shares the value, else full module paths.
+Import refuses, naming the module, what the model's adapters cannot express (different A's
+on a shared-A fused layer, other shapes, missing or unknown modules, another r, alpha or rsLoRA, DoRA, biases).
+`adapter_config.json` holds only PEFT's own fields (peft warns about any other key); this
+package's metadata (the model family) sits beside it in `megatron_lora_patch.json`.
+Expert adapters (MoE families): PEFT's `target_parameters` layout (lora/exchange/experts.py); fully
+trained modules (`modules_to_save`: `lm_head`, `embed_tokens`): lora/exchange/modules.py.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from megatron_lora_patch.lora.adapters import layouts, projections
+from megatron_lora_patch.lora.config import LoraConfig
+from megatron_lora_patch.lora.exchange import checks
+from megatron_lora_patch.lora.exchange import experts as peft_experts
+from megatron_lora_patch.lora.exchange import modules as peft_modules
+from megatron_lora_patch.lora.exchange.names import (
+    LEGACY_METADATA_KEY,
+    PEFT_PREFIX,
+    HfNames,
+    Logical,
+    PeftFormatError,
+    names_for,
+)
+
+_LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|mlp\.linear_fc1|mlp\.linear_fc2)$")
+
+
+def _projections(module: str, names: HfNames, gated: bool) -> List[str]:
+    """HF module paths (inside a layer) that one Megatron module becomes, in split order."""
+    if module == "self_attention.linear_qkv":
+        return [f"{names.attention}.{p}" for p in (names.q, names.k, names.v)]
+    if module == "self_attention.linear_proj":
+        return [f"{names.attention}.{names.o}"]
+    if module == "mlp.linear_fc1":
+        if not gated:
+            raise PeftFormatError("mlp.linear_fc1 without SwiGLU has no Llama-style PEFT name; use a gated model")
+        return [f"{names.mlp}.{names.gate}", f"{names.mlp}.{names.up}"]
+    return [f"{names.mlp}.{names.down}"]
+
+
+def _split_b(module: str, b: torch.Tensor, description: dict) -> List[torch.Tensor]:
+    if module == "self_attention.linear_qkv":
+        return list(
+            layouts.qkv_mixed_to_separate(
+                b, description["num_attention_heads"], description["num_query_groups"], description["kv_channels"]
+            )
+        )
+    if module == "mlp.linear_fc1":
+        return list(layouts.fc1_to_gate_up(b))
+    return [b]
+
+
+def _join_b(module: str, parts: List[torch.Tensor], description: dict) -> torch.Tensor:
+    if module == "self_attention.linear_qkv":
+        return layouts.qkv_separate_to_mixed(*parts, description["num_query_groups"], description["kv_channels"])
+    if module == "mlp.linear_fc1":
+        return layouts.gate_up_to_fc1(*parts)
+    return parts[0]
+
+
+def _parse(name: str) -> Tuple[int, str]:
+    match = _LAYER_MODULE.match(name)
+    if match is None:
+        raise PeftFormatError(f"{name}: no PEFT name for this Megatron module (supported: qkv, proj, fc1, fc2)")
+    return int(match.group(1)), match.group(2)
+
+
+def to_peft(
+    logical: Logical, description: dict, family: str = "llama", full: Optional[Dict[str, torch.Tensor]] = None
+) -> Tuple[Dict[str, torch.Tensor], dict]:
+    """PEFT tensors (sorted by name, contiguous) and adapter config (PEFT fields only) for the logical
+    adapters and the fully trained weights `full` (canonical module name -> logical weight)."""
+    settings = LoraConfig.from_description(description)
+    expert_logical = {name: pair for name, pair in logical.items() if peft_experts.is_expert(name)}
+    tensors, expert_settings = peft_experts.to_peft(expert_logical, description, family)
+    full_tensors, trained_fully = peft_modules.to_peft(full or {}, description)
+    tensors.update(full_tensors)
+    dense = {name: pair for name, pair in logical.items() if name not in expert_logical}
+    ranks: Dict[str, int] = {}
+    alphas: Dict[str, float] = {}
+    targets = _dense_to_peft(dense, description, family, tensors, ranks, alphas)
+    for path, (rank, alpha) in expert_settings.items():  # the patterns cover dense and expert paths
+        ranks[path], alphas[path] = rank, alpha
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": settings.rank,
+        "lora_alpha": settings.alpha,
+        "rank_pattern": _pattern_keys(ranks, settings.rank),
+        "alpha_pattern": _pattern_keys(alphas, settings.alpha),
+        "lora_dropout": 0.0,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": settings.rslora,
+        "use_dora": False,
+        **trained_fully,  # modules_to_save, ensure_weight_tying
+        "inference_mode": True,
+        "base_model_name_or_path": None,
+    }
+    if expert_settings:
+        config["target_parameters"] = peft_experts.target_parameters(expert_settings, family, description["num_layers"])
+    return dict(sorted(tensors.items())), config
+
+
+def _dense_to_peft(
+    logical: Logical, description: dict, family: str, tensors: Dict[str, torch.Tensor], ranks: dict, alphas: dict
+) -> List[str]:
+    """Add the PEFT tensors, ranks and alphas (by HF module path) of non-expert adapters; returns `target_modules`."""
+    names = names_for(family)
+    settings = LoraConfig.from_description(description)
+    layer_modules: Dict[str, set] = {}
+    for name, (lora_a, lora_b) in logical.items():
+        layer, module = _parse(name)
+        pairs = projections.per_projection(lora_a, _split_b(module, lora_b, description), description)
+        for projection, (part_a, part_b) in zip(_projections(module, names, description["gated_linear_unit"]), pairs):
+            path = f"{names.layers}.{layer}.{projection}"
+            # A copy per projection: PEFT has one A per module, safetensors refuses shared storage.
+            tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"] = part_a.clone().contiguous()
+            tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = part_b.contiguous()
+            ranks[path], alphas[path] = int(part_a.shape[0]), float(settings.alpha_for(name))
+            layer_modules.setdefault(projection, set()).add(layer)
+    every_layer = set(range(description["num_layers"]))
+    # Short names adapt every layer in PEFT; list full paths when some layers have no adapter.
+    complete = all(layers == every_layer for layers in layer_modules.values())
+    return sorted({_short(path) for path in ranks} if complete else set(ranks))
+
+
+def _short(path: str) -> str:
+    return path.rsplit(".", 1)[-1]
+
+
+def _pattern_keys(values: Dict[str, Any], default: Any) -> Dict[str, Any]:
+    """PEFT pattern keys for the module paths whose value differs from `default`: the projection
+    name when all its paths share one value, else each differing path in full."""
+    by_projection: Dict[str, List[str]] = {}
+    for path in values:
+        by_projection.setdefault(_short(path), []).append(path)
+    pattern: Dict[str, Any] = {}
+    for projection, paths in sorted(by_projection.items()):
+        distinct = {values[path] for path in paths}
+        if distinct == {default}:
+            continue
+        if len(distinct) == 1:
+            pattern[projection] = distinct.pop()
+        else:
+            pattern.update({path: values[path] for path in sorted(paths) if values[path] != default})
+    return pattern
+
+
+def from_peft(
+    tensors: Dict[str, torch.Tensor],
+    config: dict,
+    description: dict,
+    expected: Iterable[str],
+    where: str = "PEFT adapter",
+    family: Optional[str] = None,
+) -> Logical:
+    """The logical adapters of the modules named in `expected`, from PEFT tensors and config
+    (exact inverse of `to_peft`).
+
+    `family`: from `megatron_lora_patch.json` (`read`); None reads the key older exports embedded in the config.
+    """
+    checks.check_config(config, description, where)
+    if family is None:
+        family = (config.get(LEGACY_METADATA_KEY) or {}).get("family", "llama")
+    names = names_for(family)
+    expected = list(expected)
+    expert_names = [name for name in expected if peft_experts.is_expert(name)]
+    logical, expert_keys = peft_experts.from_peft(tensors, config, description, expert_names, family, where)
+    layer_paths = {}
+    for name in expected:
+        if name in logical:
+            continue
+        layer, module = _parse(name)
+        layer_paths[name] = (module, [f"{names.layers}.{layer}.{p}" for p in _projections(module, names, description["gated_linear_unit"])])
+    known = {
+        f"{PEFT_PREFIX}{path}.lora_{factor}.weight"
+        for _, paths in layer_paths.values()
+        for path in paths
+        for factor in ("A", "B")
+    }
+    for key in tensors:
+        if key not in known | expert_keys:
+            raise PeftFormatError(f"{where}: {key} is not a module this model adapts (unsupported or not targeted)")
+    for name, (module, paths) in layer_paths.items():
+        logical[name] = _dense_from_peft(tensors, config, description, name, module, paths, where)
+    return logical
+
+
+def _dense_from_peft(tensors: Dict[str, torch.Tensor], config: dict, description: dict, name: str, module: str,
+                     paths: List[str], where: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The logical (A, B) of one non-expert Megatron module from its PEFT projections `paths`."""
+    a_parts, b_parts = [], []
+    for path in paths:
+        for factor, parts in (("A", a_parts), ("B", b_parts)):
+            key = f"{PEFT_PREFIX}{path}.lora_{factor}.weight"
+            if key not in tensors:
+                raise PeftFormatError(f"{where}: missing {key} (needed for Megatron {name})")
+            parts.append(tensors[key])
+    checks.check_scaling(config, description, name, paths, where)
+    separate = description.get("separate_projections") and len(paths) > 1
+    for path, a in zip(paths[1:], a_parts[1:]):
+        if a.shape != a_parts[0].shape or not (separate or torch.equal(a, a_parts[0])):
+            raise PeftFormatError(
+                f"{where}: {path} has a different lora_A than {paths[0]}; the fused Megatron {name} "
+                "has one A for all its projections unless built with MEGATRON_LORA_SEPARATE_PROJECTIONS=1"
+            )
+    if separate:
+        stacked, b_parts = projections.join_blocks(a_parts, b_parts)
+        a_parts = [stacked]
+    try:
+        lora_b = _join_b(module, b_parts, description)
+    except (RuntimeError, ValueError):
+        raise PeftFormatError(f"{where}: lora_B shapes {[tuple(b.shape) for b in b_parts]} of {paths} do not fit Megatron {name}") from None
+    return a_parts[0], lora_b

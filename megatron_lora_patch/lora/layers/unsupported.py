@@ -1,0 +1,52 @@
+"""Model features LoRA has not been proven on: refused with one line before any training step.
+
+- Generalized tensor parallelism (GTP, Megatron-Core 0.19: `--tensor-parallel-num-weight-shards`
+  above the TP size, `gtp_weight_remat_size` > 1). GTP shards each weight once more and
+  re-gathers it inside the `linear_with_*` functions the adapters ride on, and adds its own
+  finalize reductions; the oracle has never checked LoRA beside it, so it would be unproven
+  math, not a tested path.
+- The linears of Mamba / gated-delta-net mixers (`megatron.core.ssm`): `in_proj` packs
+  `[z, x, B, C, dt]` (uneven `partition_sizes`) per TP shard, so a column adapter's B would
+  not be sharded like the base weight. Attention and MLP linears of a hybrid model are fine.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Tuple
+
+import torch
+
+from megatron_lora_patch.runtime.errors import UsageError
+
+SSM_PACKAGE = "megatron.core.ssm."
+
+
+class UnsupportedModelError(UsageError):
+    """The model uses a feature LoRA is not verified for."""
+
+
+def _gtp_sizes(model: torch.nn.Module, linears: Iterable[torch.nn.Module]) -> Tuple[int, int]:
+    """(dense, expert) GTP weight-rematerialization sizes of the model: config or built layers."""
+    config = getattr(model, "config", None)
+    dense = getattr(config, "gtp_weight_remat_size", 1) or 1
+    expert = getattr(config, "expert_gtp_weight_remat_size", 1) or 1
+    built = max((getattr(module, "gtp_remat_size", 1) or 1 for module in linears), default=1)
+    return max(dense, built), expert
+
+
+def refuse_unsupported(model: torch.nn.Module, selected: Iterable[Tuple[str, torch.nn.Module, torch.nn.Module]]) -> None:
+    """Raise `UnsupportedModelError` for GTP, or for selected `(name, linear, parent)` in an SSM mixer."""
+    selected = list(selected)
+    dense, expert = _gtp_sizes(model, (module for _, module, _ in selected))
+    if dense > 1 or expert > 1:
+        raise UnsupportedModelError(
+            f"LoRA is not supported with generalized tensor parallelism (gtp_weight_remat_size {dense}, "
+            f"expert_gtp_weight_remat_size {expert}); set --tensor-parallel-num-weight-shards and "
+            "--expert-tensor-parallel-num-weight-shards to the TP / expert-TP sizes (GTP off)"
+        )
+    mixers = [name for name, _, parent in selected if type(parent).__module__.startswith(SSM_PACKAGE)]
+    if mixers:
+        raise UnsupportedModelError(
+            f"LoRA on Mamba/GDN mixer linears is not supported: {', '.join(mixers)}; drop them from "
+            "MEGATRON_LORA_TARGETS or add them to MEGATRON_LORA_EXCLUDE (attention and MLP linears are supported)"
+        )
