@@ -121,12 +121,11 @@ def test_unknown_variable_without_a_close_name_lists_the_known_ones():
 
 
 def test_lora_variable_typo_suggests_the_lora_variable():
-    from megatron_lora_patch.runtime import registry
+    from megatron_lora_patch.runtime.plugin_set import PluginSet
 
-    runtime = registry.Runtime()
-    runtime._load_plugin("lora_correct")
-    if "MEGATRON_LORA_RANK" not in runtime._declared_variables():
-        pytest.skip("the lora_correct plugin does not declare its MEGATRON_LORA_* variables in this checkout")
+    plugins = PluginSet()
+    plugins.load("lora_correct")
+    assert "MEGATRON_LORA_RANK" in plugins.declared_variables()
     result = run_fresh(IMPORT, MEGATRON_PLUGINS="lora_correct", MEGATRON_LORA_RNAK="8")
     assert_one_line_error(
         result, "MEGATRON_LORA_RNAK is not a variable megatron-lora-patch reads; did you mean MEGATRON_LORA_RANK?"
