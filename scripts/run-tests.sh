@@ -6,6 +6,7 @@
 #   base-py3.11, base-py3.12   torch==2.13.0 and the test tools, no Megatron-Core
 #   mc-0.NN                    an overlay on a base (a .pth line) holding one Megatron-Core minor
 #                              and this checkout's freshly built wheel (its .pth start-up hook too)
+#   lint                       the linter (ruff, configured in pyproject.toml), run first
 # Matrix (the range the patches declare is the range tested):
 #   newest minor (0.19.x, Python 3.12): the whole suite (SKIP_SLOW=1 leaves out the 4+ rank matrix);
 #   every other minor (0.13-0.16 on Python 3.11, 0.17-0.18 on 3.12): the runtime tests and
@@ -17,6 +18,7 @@ shopt -s inherit_errexit  # a failed install inside $(...) stops the run before 
 cd "$(dirname "$0")/.."
 CACHE=${LORA_PATCH_TEST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/megatron-lora-patch-tests}
 TORCH="torch==2.13.0"
+RUFF="ruff==0.17.6"
 TOOLS=(pytest setuptools wheel matplotlib "transformers>=5.0" "peft>=0.17" wrapt pluggy packaging safetensors psutil numpy)
 NEWEST=0.19
 SMOKE=(0.13 0.14 0.15 0.16 0.17 0.18)
@@ -71,6 +73,20 @@ megatron_env() {  # megatron_env MINOR WHEEL -> python of an overlay holding tha
   "$base/bin/pip" --python "$dir/bin/python" install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel" >&2
   echo "$dir/bin/python"
 }
+
+lint_env() {  # lint_env -> path of a venv holding the pinned linter (built once)
+  local dir="$CACHE/lint"
+  if [ ! -f "$dir/.stamp" ] || [ "$(cat "$dir/.stamp")" != "$RUFF" ]; then
+    rm -rf "$dir"
+    "$(interpreter 3.11)" -m venv "$dir"
+    "$dir/bin/pip" install -q --disable-pip-version-check "$RUFF" >&2
+    echo "$RUFF" > "$dir/.stamp"
+  fi
+  echo "$dir"
+}
+
+echo "== lint: ruff check (pyproject.toml [tool.ruff])"
+"$(lint_env)/bin/ruff" check --no-cache . || status=$?
 
 WHEELS=$(mktemp -d); trap 'rm -rf "$WHEELS"' EXIT
 "$(base_env 3.11)/bin/python" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$WHEELS" . >&2

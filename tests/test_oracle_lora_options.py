@@ -62,7 +62,7 @@ def test_moe_topologies_match_world1_with_experts_at_a_lower_rank():
 
 
 def test_dense_topologies_match_world1_with_separate_projections():
-    """q / k / v and gate / up with their own A and B (stacked A, block B; lora/projections.py): the
+    """q / k / v and gate / up with their own A and B (stacked A, block B; lora/adapters/projections.py): the
     stacked A is replicated over TP like a shared one, so a missing column-A SUM is the control."""
     settings = harness.OracleSettings(model="dense", lora_options=(("separate_projections", True),))
     assert _reference_ranks(settings) == {"linear_qkv": {12}, "linear_proj": {4}, "linear_fc1": {8}, "linear_fc2": {4}}

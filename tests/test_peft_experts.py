@@ -1,4 +1,4 @@
-"""Expert adapters in PEFT's `target_parameters` layout (lora/peft_experts.py), without a world.
+"""Expert adapters in PEFT's `target_parameters` layout (lora/exchange/experts.py), without a world.
 
 The logical init of an MoE testbed's adapters (distinct per expert; experts at rank 2 and the
 experts' fc2 at alpha 4 through rank / alpha patterns) goes through `to_peft`; `peft` loads the

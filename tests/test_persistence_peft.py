@@ -44,7 +44,7 @@ VARIANTS = {
         },
         [{"alpha_pattern": {}}, {"use_rslora": False}],
     ),
-    # q / k / v and gate / up with their own A and B, as standard PEFT LoRA (lora/projections.py)
+    # q / k / v and gate / up with their own A and B, as standard PEFT LoRA (lora/adapters/projections.py)
     "separate_projections": ({"separate_projections": True}, {}, [{"lora_alpha": 16.0}]),
 }
 

@@ -3,7 +3,7 @@
 An MoE model (4 SequentialMLP experts, top-2, GQA attention) trains its adapters (3 Adam steps
 from a non-zero init, distinct per expert) and writes an adapter-only checkpoint at EP2
 (Qwen3-MoE: q / k layernorm) or TP2 + ETP2 with SP (Mixtral); the `export` CLI turns it into a PEFT adapter whose experts use `target_parameters`
-(lora/peft_experts.py); `peft` loads it into a `Qwen3MoeForCausalLM` / `MixtralForCausalLM`
+(lora/exchange/experts.py); `peft` loads it into a `Qwen3MoeForCausalLM` / `MixtralForCausalLM`
 holding the same base weights (transformers' 3D expert parameters), and its logits must equal
 the Megatron forward (fp32). Negative controls: the
 base model alone, and the same adapter with two experts' adapters swapped. The adapter is then

@@ -27,7 +27,7 @@ qualified name), to that module's rank (alpha); the first matching entry wins, a
 a module no entry matches uses `rank` (`alpha`). `MEGATRON_LORA_RSLORA=1` scales by
 alpha / sqrt(r) instead of alpha / r (rsLoRA, PEFT's `use_rslora`).
 `MEGATRON_LORA_SEPARATE_PROJECTIONS=1` gives q, k, v (and SwiGLU gate, up) their own A and B, as
-standard PEFT LoRA on separate projections (lora/projections.py).
+standard PEFT LoRA on separate projections (lora/adapters/projections.py).
 
 Modules to train fully (PEFT's `modules_to_save`): `MEGATRON_LORA_MODULES_TO_SAVE='output_layer'`
 names modules, matched like a target entry, whose base weights stay trainable with Megatron's own
@@ -54,7 +54,7 @@ INIT_CHOICES = ("kaiming", "gaussian")
 B_INIT_CHOICES = ("zero", "nonzero")
 SP_INPUT_CHOICES = ("keep", "regather")
 PATTERN_FIELDS = ("rank_pattern", "alpha_pattern")
-#: Canonical names of the modules that may train fully (`modules_to_save`; lora/trained_fully.py says why).
+#: Canonical names of the modules that may train fully (`modules_to_save`; lora/layers/trained_fully.py says why).
 TRAINABLE_MODULES = ("output_layer", "embedding.word_embeddings")
 
 
@@ -81,7 +81,7 @@ class LoraConfig:
     rank_pattern: tuple = ()
     alpha_pattern: tuple = ()
     # separate A and B per q / k / v and per gate / up on Megatron's fused linear_qkv / SwiGLU linear_fc1
-    # (standard PEFT LoRA on separate projections; lora/projections.py); False: one A per fused layer
+    # (standard PEFT LoRA on separate projections; lora/adapters/projections.py); False: one A per fused layer
     separate_projections: bool = False
     # modules whose base weights train fully (PEFT modules_to_save), matched like targets
     modules_to_save: tuple = ()

@@ -1,5 +1,5 @@
 """The `lora_correct` plugin: the production patches (the CPU host support is the separate
-`cpu_testbed` plugin, `cpu_testbed/plugin.py`)."""
+`cpu_testbed` plugin, `plugins/cpu_testbed.py`)."""
 
 from __future__ import annotations
 

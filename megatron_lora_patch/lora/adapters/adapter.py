@@ -70,7 +70,7 @@ class LoraAdapter(torch.nn.Module):
         weight = layer.weight
         self.A = torch.nn.Parameter(local_a.to(device=weight.device, dtype=weight.dtype))
         self.B = torch.nn.Parameter(local_b.to(device=weight.device, dtype=weight.dtype))
-        # Separate adapters per projection: B's off-block entries never act (lora/projections.py).
+        # Separate adapters per projection: B's off-block entries never act (lora/adapters/projections.py).
         self.block_mask: Optional[torch.Tensor]
         mask = None
         if projection_rows is not None:

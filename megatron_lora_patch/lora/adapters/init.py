@@ -48,7 +48,7 @@ def logical_factors(
     A: Kaiming-uniform with a=sqrt(5) on the FULL fan-in `in_features` (bound
     1/sqrt(in), what torch.nn.Linear uses), or Gaussian with std 1/r. B: zeros, or
     for `b_init="nonzero"` Kaiming-uniform on its own fan-in r (bound 1/sqrt(r)).
-    With `projection_rows` (separate adapters on a fused linear, lora/projections.py) A is the k
+    With `projection_rows` (separate adapters on a fused linear, lora/adapters/projections.py) A is the k
     projections' A's stacked (k*r x in) and B the block matrix (out x k*r), zero off its blocks.
     """
     rank = config.rank_for(module_name)

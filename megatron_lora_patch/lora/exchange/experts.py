@@ -11,7 +11,7 @@
 with the delta of expert e `scaling * B_e @ A_e` (peft's `ParamWrapper.get_delta_weight`). That is
 exactly Megatron's per-expert adapter of `decoder.layers.L.mlp.experts.local_experts.e.linear_fc1`
 (one A for gate and up, as in the fused parameter) and `...linear_fc2`, for SequentialMLP and
-TE grouped experts alike (both name their adapters by global expert index, lora/attach.py).
+TE grouped experts alike (both name their adapters by global expert index, lora/layers/attach.py).
 When both parameters of a layer are adapted, peft nests the wrappers in the order the module
 declares its parameters: `experts.base_layer.lora_*` is `gate_up_proj`, `experts.lora_*` is `down_proj`.
 One wrapper has one r and alpha, so every expert of a layer and kind must share them.

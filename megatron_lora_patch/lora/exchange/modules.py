@@ -1,4 +1,4 @@
-"""Fully trained modules in the Hugging Face PEFT format (PEFT's `modules_to_save`; lora/trained_fully.py).
+"""Fully trained modules in the Hugging Face PEFT format (PEFT's `modules_to_save`; lora/layers/trained_fully.py).
 
 PEFT (0.21) saves a `modules_to_save` module's weight under the wrapped module's own name,
 without the `modules_to_save.<adapter>` segment it has in memory, and `PeftModel.from_pretrained`

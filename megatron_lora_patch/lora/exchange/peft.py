@@ -12,7 +12,7 @@ onto this rank's adapters (any topology). Conversion, per transformer layer i:
 | mlp.linear_fc1 (SwiGLU)    | mlp.gate_proj, up_proj                      | B rows [gate; up] split; A copied |
 | mlp.linear_fc2             | mlp.down_proj                               | as is                         |
 
-With `separate_projections` each projection gets its own A rows and B block (lora/projections.py).
+With `separate_projections` each projection gets its own A rows and B block (lora/adapters/projections.py).
 PEFT's scaling `lora_alpha / r` (`lora_alpha / sqrt(r)` with `use_rslora`) is the adapter's
 `s`; per-module ranks and alphas travel as PEFT's `rank_pattern` / `alpha_pattern` (keys are
 regexes matched against the end of a module path, the first matching key wins): export writes a

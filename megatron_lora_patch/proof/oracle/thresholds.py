@@ -28,7 +28,7 @@ length K = 1, 2, 5, 10, 20 read off it: training is prefix-deterministic):
 
 Later-step noise grows about tenfold per ten steps (tp2-etp2-sp grad norm: 1.7e-4 at K=10,
 2.1e-3 at K=20), so no fixed threshold holds for unbounded K: `--steps` is capped at 20
-(proof/oracle/command.py MAX_STEPS), where the worst noise is 4.9x below its threshold (6.5x for
+(cli/oracle.py MAX_STEPS), where the worst noise is 4.9x below its threshold (6.5x for
 K <= 10: forward). The 16 two-rank mutations, measured the same way, move step 0 by at
 least 0.26 (grad norm) or 0.36 (grads): every one is caught by >= 1.1e4x at every K
 (weakest: skip_expert_tp_sum, 1.13 / 1e-4 in step-0 grads).
