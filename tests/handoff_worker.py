@@ -58,18 +58,24 @@ def traffic(calls: List[Tuple[str, int]]):
 
 
 def state_world(rank: int, world: int, topology: str, spec, seed: int, directory: str, family: str,
-                options=None) -> dict:
-    """Build with adapters of `seed` (`options`: more LoraConfig fields), take `adapter_state` with its
+                options=None, shared_experts: bool = False, peft_dir=None) -> dict:
+    """Build with adapters of `seed` (`options`: more LoraConfig fields; `shared_experts`: with the shared
+    experts of `hf_qwen2_moe`; `peft_dir`: then import that PEFT adapter), take `adapter_state` with its
     traffic counted, then write an adapter-only checkpoint; full-vocab logits when there is one stage."""
     from megatron_lora_patch.handoff import adapter_state
     from megatron_lora_patch.lora.checkpoint import save_adapters
-    from megatron_lora_patch.proof.testbed.models import build_model
+    from megatron_lora_patch.lora.peft_io import import_peft
+    from megatron_lora_patch.proof.testbed.models import DEFAULT_SEED, build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
+
+    import hf_qwen2_moe
 
     persistence_worker.setup(persistence_worker.lora_config(seed, **(options or {})))
     parsed = Topology.parse(topology)
     with parsed.world():
-        chunks = build_model(spec, parsed)
+        chunks = build_model(spec, parsed, **(hf_qwen2_moe.build_options(spec, DEFAULT_SEED) if shared_experts else {}))
+        if peft_dir is not None:
+            import_peft(chunks, peft_dir)
         calls: List[Tuple[str, int]] = []
         with traffic(calls):
             state = adapter_state(chunks, family)

@@ -37,7 +37,7 @@ import torch
 
 from megatron_lora_patch.errors import UsageError
 
-from . import layouts, peft_modules, projections
+from . import layouts, peft_mlp, peft_modules, projections
 from .config import LoraConfig
 from .peft_modules import PEFT_PREFIX
 
@@ -67,6 +67,7 @@ class HfNames:
     gate: str = "gate_proj"
     up: str = "up_proj"
     down: str = "down_proj"
+    shared_experts: str = ""  # the shared experts' MLP (lora/peft_mlp.py); "" where the family has none
 
 
 #: Model families whose decoder layers use these names (Llama-style; add rows for others).
@@ -76,10 +77,12 @@ NAME_TABLE: Dict[str, HfNames] = {
     "qwen2": HfNames(),
     "qwen3": HfNames(),
     "qwen3_moe": HfNames(),  # experts: peft_experts.EXPERT_TABLE
+    "qwen2_moe": HfNames(shared_experts="mlp.shared_expert"),  # shared experts: docs/handoff.md section 2
     "mixtral": HfNames(),
 }
 
-_LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|mlp\.linear_fc1|mlp\.linear_fc2)$")
+_LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|"
+                           r"mlp\.(?:shared_experts\.)?linear_fc1|mlp\.(?:shared_experts\.)?linear_fc2)$")
 
 
 def names_for(family: str, label: str = "model family") -> HfNames:
@@ -94,11 +97,7 @@ def _projections(module: str, names: HfNames, gated: bool) -> List[str]:
         return [f"{names.attention}.{p}" for p in (names.q, names.k, names.v)]
     if module == "self_attention.linear_proj":
         return [f"{names.attention}.{names.o}"]
-    if module == "mlp.linear_fc1":
-        if not gated:
-            raise PeftFormatError("mlp.linear_fc1 without SwiGLU has no Llama-style PEFT name; use a gated model")
-        return [f"{names.mlp}.{names.gate}", f"{names.mlp}.{names.up}"]
-    return [f"{names.mlp}.{names.down}"]
+    return peft_mlp.projections(module, names, gated)
 
 
 def _split_b(module: str, b: torch.Tensor, description: dict) -> List[torch.Tensor]:
@@ -108,7 +107,7 @@ def _split_b(module: str, b: torch.Tensor, description: dict) -> List[torch.Tens
                 b, description["num_attention_heads"], description["num_query_groups"], description["kv_channels"]
             )
         )
-    if module == "mlp.linear_fc1":
+    if module.endswith("linear_fc1"):  # mlp or mlp.shared_experts
         return list(layouts.fc1_to_gate_up(b))
     return [b]
 
@@ -116,7 +115,7 @@ def _split_b(module: str, b: torch.Tensor, description: dict) -> List[torch.Tens
 def _join_b(module: str, parts: List[torch.Tensor], description: dict) -> torch.Tensor:
     if module == "self_attention.linear_qkv":
         return layouts.qkv_separate_to_mixed(*parts, description["num_query_groups"], description["kv_channels"])
-    if module == "mlp.linear_fc1":
+    if module.endswith("linear_fc1"):
         return layouts.gate_up_to_fc1(*parts)
     return parts[0]
 
