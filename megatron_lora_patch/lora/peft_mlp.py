@@ -23,7 +23,9 @@ def projections(module: str, names, gated: bool) -> List[str]:
     if module.startswith(SHARED_PREFIX):
         if not names.shared_experts:
             shared = [family for family, known in NAME_TABLE.items() if known.shared_experts]
-            raise PeftFormatError(f"{module}: this model family has no shared experts; use --family {' or '.join(shared)}")
+            raise PeftFormatError(
+                f"{module}: this model family has no shared experts; use --family {' or '.join(shared)}"
+            )
         mlp = names.shared_experts
     if module.endswith("linear_fc1"):
         if not gated:
