@@ -61,7 +61,9 @@ def state_world(rank: int, world: int, topology: str, spec, seed: int, directory
                 options=None, shared_experts: bool = False, peft_dir=None) -> dict:
     """Build with adapters of `seed` (`options`: more LoraConfig fields; `shared_experts`: with the shared
     experts of `hf_qwen2_moe`; `peft_dir`: then import that PEFT adapter), take `adapter_state` with its
-    traffic counted, then write an adapter-only checkpoint; full-vocab logits when there is one stage."""
+    traffic counted, and the names `stream` yields per unit; then write an adapter-only checkpoint; full-vocab
+    logits when there is one stage."""
+    from megatron_lora_patch import handoff
     from megatron_lora_patch.handoff import adapter_state
     from megatron_lora_patch.lora.checkpoint import save_adapters
     from megatron_lora_patch.lora.peft_io import import_peft
@@ -79,8 +81,9 @@ def state_world(rank: int, world: int, topology: str, spec, seed: int, directory
         calls: List[Tuple[str, int]] = []
         with traffic(calls):
             state = adapter_state(chunks, family)
+        units = [(unit, sorted(part)) for unit, part in handoff.stream(chunks, family)[1]]
         save_adapters(chunks, directory)
         logits = persistence_worker.full_logits(chunks[0], spec) if parsed.pp == 1 else None
         base_bytes = sum(_bytes(p) for name, p in chunks[0].named_parameters() if ".lora." not in name)
         return {"config": state.config, "tensors": state.tensors, "calls": calls, "logits": logits,
-                "base_bytes": base_bytes}
+                "base_bytes": base_bytes, "units": units}

@@ -118,3 +118,17 @@ def test_set_peft_model_state_dict_gives_megatron_logits(handed):
     assert max_abs_error_over_max(base, megatron) > 100 * LOGITS_TOLERANCE
     doubled = {**config, "lora_alpha": 2 * config["lora_alpha"]}
     assert max_abs_error_over_max(_peft_logits(handed, doubled), megatron) > 100 * LOGITS_TOLERANCE
+
+
+def test_stream_yields_one_layer_at_a_time(handed):
+    """`stream` gives rank 0 one transformer layer's tensors per step (then the fully trained weights),
+    the same tensors `adapter_state` gathers; the other rank gets the same units, empty."""
+    first, second = handed["ranks"]
+    layers = handed["spec"].num_layers
+    units = [f"decoder.layers.{layer}" for layer in range(layers)]
+    units += ["modules_to_save"] if handed["options"].get("modules_to_save") else []
+    assert [unit for unit, _ in first["units"]] == [unit for unit, _ in second["units"]] == units
+    assert all(names == [] for _, names in second["units"])
+    for layer, (_, names) in enumerate(first["units"][:layers]):
+        assert names and all(f".layers.{layer}." in name for name in names)
+    assert sorted(name for _, names in first["units"] for name in names) == sorted(first["tensors"])
