@@ -20,6 +20,7 @@ import handoff_worker
 import persistence_worker
 from error_metrics import max_abs_error_over_max
 from megatron_lora_patch import handoff
+from megatron_lora_patch.errors import UsageError
 from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.proof.testbed.models import DEFAULT_SEED, TinyGPTSpec
 
@@ -99,7 +100,8 @@ def test_refusals_are_one_line(handed):
         (lambda: handoff.vllm_payload(saving, "p", 1), "vLLM loads no modules_to_save"),
         (lambda: handoff.vllm_payload(patterned, "p", 1), "one r and lora_alpha"),
         (lambda: handoff.sglang_payload(dataclasses.replace(state, tensors={}), "p"), "no tensors on this rank"),
+        (lambda: handoff.adapter_state([], dst=1), "dst=1 is not a rank of this world of 1"),
     ):
-        with pytest.raises((handoff.EngineError, handoff.LayoutError)) as error:
+        with pytest.raises(UsageError) as error:
             call()
         assert text in str(error.value) and "\n" not in str(error.value)

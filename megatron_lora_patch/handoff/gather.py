@@ -59,6 +59,10 @@ def _world() -> Tuple[int, int]:
     return 0, 1
 
 
+def world_size() -> int:
+    return _world()[1]
+
+
 def _group_ranks(group) -> Tuple[int, ...]:
     import torch.distributed as dist
 

@@ -55,6 +55,10 @@ def stream(chunks: Iterable[torch.nn.Module], family: str = "llama",
     layer's logical adapter and its PEFT tensors at a time (plus what the caller keeps).
     """
     peft.names_for(family)
+    world = gather.world_size()
+    if not 0 <= dst < world:
+        raise peft.PeftFormatError(f"dst={dst} is not a rank of this world of {world}; pass the rank that talks "
+                                   f"to the engine (0 .. {world - 1})")
     chunks = list(chunks)
     description = checkpoint.describe(chunks)
     local = gather.local_tensors(chunks)
