@@ -7,6 +7,7 @@ from __future__ import annotations
 import pathlib
 import subprocess
 import sys
+
 import tomllib
 
 from megatron_lora_patch.runtime.plugin_set import OWN_PLUGINS

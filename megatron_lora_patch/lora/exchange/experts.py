@@ -47,7 +47,7 @@ class ExpertNames:
 
 
 #: MoE families of transformers >= 5 (3D expert parameters).
-EXPERT_TABLE: Dict[str, ExpertNames] = {"qwen3_moe": ExpertNames(), "mixtral": ExpertNames()}
+EXPERT_TABLE: Dict[str, ExpertNames] = {"qwen3_moe": ExpertNames(), "mixtral": ExpertNames(), "qwen2_moe": ExpertNames()}
 
 
 def is_expert(name: str) -> bool:

@@ -37,6 +37,7 @@ class HfNames:
     gate: str = "gate_proj"
     up: str = "up_proj"
     down: str = "down_proj"
+    shared_experts: str = ""  # the shared experts' MLP (lora/exchange/mlp.py); "" where the family has none
 
 
 #: Model families whose decoder layers use these names (Llama-style; add rows for others).
@@ -46,6 +47,7 @@ NAME_TABLE: Dict[str, HfNames] = {
     "qwen2": HfNames(),
     "qwen3": HfNames(),
     "qwen3_moe": HfNames(),  # experts: experts.EXPERT_TABLE
+    "qwen2_moe": HfNames(shared_experts="mlp.shared_expert"),  # shared experts: docs/handoff.md section 2
     "mixtral": HfNames(),
 }
 

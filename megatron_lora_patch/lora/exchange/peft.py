@@ -36,6 +36,7 @@ from megatron_lora_patch.lora.adapters import layouts, projections
 from megatron_lora_patch.lora.config import LoraConfig
 from megatron_lora_patch.lora.exchange import checks
 from megatron_lora_patch.lora.exchange import experts as peft_experts
+from megatron_lora_patch.lora.exchange import mlp as peft_mlp
 from megatron_lora_patch.lora.exchange import modules as peft_modules
 from megatron_lora_patch.lora.exchange.names import (
     LEGACY_METADATA_KEY,
@@ -46,7 +47,8 @@ from megatron_lora_patch.lora.exchange.names import (
     names_for,
 )
 
-_LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|mlp\.linear_fc1|mlp\.linear_fc2)$")
+_LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|"
+                           r"mlp\.(?:shared_experts\.)?linear_fc1|mlp\.(?:shared_experts\.)?linear_fc2)$")
 
 
 def _projections(module: str, names: HfNames, gated: bool) -> List[str]:
@@ -55,11 +57,7 @@ def _projections(module: str, names: HfNames, gated: bool) -> List[str]:
         return [f"{names.attention}.{p}" for p in (names.q, names.k, names.v)]
     if module == "self_attention.linear_proj":
         return [f"{names.attention}.{names.o}"]
-    if module == "mlp.linear_fc1":
-        if not gated:
-            raise PeftFormatError("mlp.linear_fc1 without SwiGLU has no Llama-style PEFT name; use a gated model")
-        return [f"{names.mlp}.{names.gate}", f"{names.mlp}.{names.up}"]
-    return [f"{names.mlp}.{names.down}"]
+    return peft_mlp.projections(module, names, gated)
 
 
 def _split_b(module: str, b: torch.Tensor, description: dict) -> List[torch.Tensor]:
@@ -69,7 +67,7 @@ def _split_b(module: str, b: torch.Tensor, description: dict) -> List[torch.Tens
                 b, description["num_attention_heads"], description["num_query_groups"], description["kv_channels"]
             )
         )
-    if module == "mlp.linear_fc1":
+    if module.endswith("linear_fc1"):  # mlp or mlp.shared_experts
         return list(layouts.fc1_to_gate_up(b))
     return [b]
 
@@ -77,7 +75,7 @@ def _split_b(module: str, b: torch.Tensor, description: dict) -> List[torch.Tens
 def _join_b(module: str, parts: List[torch.Tensor], description: dict) -> torch.Tensor:
     if module == "self_attention.linear_qkv":
         return layouts.qkv_separate_to_mixed(*parts, description["num_query_groups"], description["kv_channels"])
-    if module == "mlp.linear_fc1":
+    if module.endswith("linear_fc1"):
         return layouts.gate_up_to_fc1(*parts)
     return parts[0]
 

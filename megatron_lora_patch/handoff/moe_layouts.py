@@ -1,0 +1,128 @@
+"""The MoE expert layouts inference servers load, converted from the PEFT `target_parameters` layout.
+
+`adapter_state` writes experts as peft does for transformers 5's 3D expert parameters (one packed
+wrapper per layer and parameter: `mlp.experts[.base_layer].lora_A.weight [E*r, in]`, `lora_B.weight
+[out, r*E]`; lora/exchange/experts.py). `convert(state, layout)` rewrites only the expert tensors, exactly:
+
+- `"peft"`: unchanged. Loaded by peft >= 0.18 on transformers 5 and by vLLM's 3D-MoE path
+  (`vllm/lora/model_manager.py`, `LoRAModelManager._stack_moe_lora_weights`: A reshaped `(E, r, in)`,
+  B `(out, r, E)` permuted to `(E, out, r)`, gate_up under `experts.base_layer`, down under `experts`).
+- `"per_expert"`: one LoRA module per expert and projection, as transformers 4 MoE models had them
+  (`mlp.experts.<e>.gate_proj` / `up_proj` / `down_proj`; Mixtral `block_sparse_moe.experts.<e>.w1` /
+  `w3` / `w2`): expert e's A rows and B columns, gate_up's B rows `[gate; up]` split and its one A copied
+  to both. What vLLM's 2D `FusedMoEWithLoRA` packs per expert (`PackedLoRALayerWeights.pack_moe`).
+- `"shared_outer"` (SGLang `--experts-shared-outer-loras`: one gate_up lora_A and one down lora_B for
+  all experts of a layer) is refused: Megatron trains every expert's A and B, which it cannot hold.
+
+docs/handoff.md section 4 (proof: logits of a loader that follows each engine's source).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Dict, Tuple
+
+import torch
+
+from megatron_lora_patch.handoff.state import AdapterState
+from megatron_lora_patch.lora.adapters.layouts import fc1_to_gate_up
+from megatron_lora_patch.lora.exchange.checks import peft_pattern_value
+from megatron_lora_patch.lora.exchange.names import PEFT_PREFIX, PeftFormatError
+
+#: family -> (experts module, gate, up, down) of the per-expert layout (transformers 4 names).
+PER_EXPERT_NAMES: Dict[str, Tuple[str, str, str, str]] = {
+    "qwen3_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
+    "qwen2_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("block_sparse_moe.experts", "w1", "w3", "w2"),
+}
+#: layout -> the loaders known to read it (docs/handoff.md section 4 cites their source).
+LOADERS = {
+    "peft": "peft >= 0.18 on transformers >= 5, vLLM 3D-MoE LoRA (LoRAModelManager._stack_moe_lora_weights)",
+    "per_expert": "vLLM 2D MoE LoRA (FusedMoEWithLoRA, pack_moe), peft on transformers 4 MoE models",
+}
+_PACKED = re.compile(r"^(?P<layer>.+\.layers\.\d+)\.mlp\.experts(?P<base>\.base_layer)?\.lora_(?P<f>[AB])\.weight$")
+
+
+class LayoutError(PeftFormatError):
+    """An adapter cannot be written in the requested MoE layout; one-line message."""
+
+
+def _check(layout: str, family: str) -> None:
+    if layout == "shared_outer":
+        raise LayoutError(
+            "layout 'shared_outer' (SGLang --experts-shared-outer-loras) has one gate_up lora_A and one down lora_B "
+            "per layer, Megatron trains one per expert; use layout 'peft' or 'per_expert'"
+        )
+    if layout not in LOADERS:
+        raise LayoutError(f"unknown MoE layout {layout!r}; known: {', '.join(LOADERS)}, shared_outer")
+    if layout == "per_expert" and family not in PER_EXPERT_NAMES:
+        raise LayoutError(f"no engine loads per-expert LoRA modules for family {family!r}; per_expert is known for "
+                          f"{', '.join(PER_EXPERT_NAMES)} ({LOADERS['per_expert']})")
+
+
+def _parameter(config: dict, layer_path: str, base: bool, layers_with_base: set) -> str:
+    """`gate_up_proj` or `down_proj`: which 3D parameter a packed wrapper adapts (peft nests them in
+    declaration order, so `base_layer` is gate_up when both are adapted)."""
+    if base or layer_path in layers_with_base:
+        return "gate_up_proj" if base else "down_proj"
+    targets = {entry.rsplit(".", 1)[-1] for entry in config.get("target_parameters") or ()}
+    return "gate_up_proj" if targets == {"gate_up_proj"} else "down_proj"
+
+
+def _per_expert(path: str, names: tuple, parameter: str, lora_a, lora_b, rank: int) -> Dict[str, torch.Tensor]:
+    """Expert e's (A, B) of one packed wrapper, under per-expert module names."""
+    experts, gate, up, down = names
+    num = lora_a.shape[0] // rank
+    per_a, per_b = lora_a.reshape(num, rank, -1), lora_b.reshape(lora_b.shape[0], rank, num)
+    out = {}
+    for e in range(num):
+        b = per_b[..., e]
+        pieces = list(zip((gate, up), fc1_to_gate_up(b))) if parameter == "gate_up_proj" else [(down, b)]
+        for projection, part in pieces:
+            stem = f"{path}.{experts}.{e}.{projection}"
+            out[f"{stem}.lora_A.weight"] = per_a[e].clone().contiguous()
+            out[f"{stem}.lora_B.weight"] = part.contiguous()
+    return out
+
+
+def _renamed_patterns(config: dict, names: tuple) -> dict:
+    """rank_pattern / alpha_pattern with the 3D parameter keys turned into the per-expert projections."""
+    _, gate, up, down = names
+    by_parameter = {"gate_up_proj": (gate, up), "down_proj": (down,)}
+    fields = {}
+    for field in ("rank_pattern", "alpha_pattern"):
+        pattern: Dict[str, object] = {}
+        for key, value in (config.get(field) or {}).items():
+            if ".experts." in key:
+                raise LayoutError(f"{field} key {key!r} names one layer's experts; per_expert takes per-kind keys only")
+            pattern.update({name: value for name in by_parameter.get(key, (key,))})
+        fields[field] = pattern
+    return fields
+
+
+def convert(state: AdapterState, layout: str = "peft") -> AdapterState:
+    """`state` (PEFT `target_parameters` layout, as `adapter_state` returns it) in the MoE `layout`,
+    or a one-line `LayoutError` for a layout / family no engine loads (docs/handoff.md section 4)."""
+    _check(layout, state.family)
+    if layout == "peft" or not state.config.get("target_parameters"):
+        return state
+    if any(".layers." in entry for entry in state.config["target_parameters"]):
+        raise LayoutError("per_expert needs every layer's experts adapted (target_parameters names single layers)")
+    names = PER_EXPERT_NAMES[state.family]
+    packed = {key: _PACKED.match(key) for key in state.tensors}
+    with_base = {match.group("layer") for match in packed.values() if match and match.group("base")}
+    tensors = {key: value for key, value in state.tensors.items() if packed[key] is None}
+    for key, match in packed.items():
+        if match is None or match.group("f") == "B":
+            continue
+        layer, base = match.group("layer"), bool(match.group("base"))
+        parameter = _parameter(state.config, layer, base, with_base)
+        hf_path = f"{layer[len(PEFT_PREFIX):]}.mlp.experts.{parameter}"
+        rank = int(peft_pattern_value(state.config.get("rank_pattern") or {}, hf_path, state.config["r"]))
+        lora_b = state.tensors[key[: -len("lora_A.weight")] + "lora_B.weight"]
+        tensors.update(_per_expert(layer, names, parameter, state.tensors[key], lora_b, rank))
+    config = {**state.config, **_renamed_patterns(state.config, names)}
+    config.pop("target_parameters")
+    config["target_modules"] = sorted(set(config["target_modules"]) | set(names[1:]))
+    return dataclasses.replace(state, config=config, tensors=dict(sorted(tensors.items())))

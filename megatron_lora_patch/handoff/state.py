@@ -1,0 +1,85 @@
+"""The PEFT adapter of a live Megatron model, in memory: `adapter_state` and its streaming form `stream`.
+
+Same conversion as the on-disk export (`megatron-lora-patch export`): the logical adapters go through
+`lora.exchange.peft.to_peft` (dense projections, `lora.exchange.experts` for experts, `lora.exchange.modules` for
+`modules_to_save`), so the tensors and `adapter_config` are those the export writes for a checkpoint
+saved by the same model, bit for bit; only the source differs (the live shards, gathered by
+`handoff.gather`, instead of a distributed checkpoint). Nothing is written to disk and nothing merged.
+The config is computed first from shapes alone (meta tensors through the same `to_peft`), so every
+refusal (a family without experts, an incomplete expert layer) comes before any tensor moves.
+docs/handoff.md section 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Iterable, Iterator, Tuple
+
+import torch
+
+from megatron_lora_patch.handoff import gather
+from megatron_lora_patch.lora.checkpoints import checkpoint
+from megatron_lora_patch.lora.exchange import names, peft
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterState:
+    """A PEFT LoRA adapter in memory: `config` is `adapter_config.json`'s dict, `tensors` the
+    `adapter_model.safetensors` entries under PEFT names (`base_model.model.…`; empty on ranks other
+    than `dst`), `family` the Hugging Face family whose names they use."""
+
+    config: dict
+    tensors: Dict[str, torch.Tensor]
+    family: str
+
+
+def _to_peft(logical: Dict[gather.Key, torch.Tensor], description: dict,
+             family: str) -> Tuple[Dict[str, torch.Tensor], dict]:
+    """`peft.to_peft` of gathered tensors: the LoRA pairs (A, B) and the fully trained weights ("W")."""
+    pairs = {name: (logical[(name, "A")], logical[(name, "B")]) for name, factor in logical if factor == "A"}
+    full = {name: tensor for (name, factor), tensor in logical.items() if factor == "W"}
+    return peft.to_peft(pairs, description, family, full)
+
+
+def _shapes_only(chosen: Dict[gather.Key, list]) -> Dict[gather.Key, torch.Tensor]:
+    return {key: torch.empty(pieces[0].logical_shape(), dtype=pieces[0].dtype, device="meta")
+            for key, pieces in chosen.items()}
+
+
+def stream(chunks: Iterable[torch.nn.Module], family: str = "llama",
+           dst: int = 0) -> Tuple[dict, Iterator[Tuple[str, Dict[str, torch.Tensor]]]]:
+    """(`adapter_config` dict, iterator of (unit, PEFT tensors of that unit)): one unit per transformer
+    layer, then `modules_to_save`; the tensors are on `dst` (CPU), empty dicts elsewhere.
+
+    Collective: call on every rank and exhaust the iterator on every rank. `dst` holds at most one
+    layer's logical adapter and its PEFT tensors at a time (plus what the caller keeps).
+    """
+    names.names_for(family)
+    world = gather.world_size()
+    if not 0 <= dst < world:
+        raise names.PeftFormatError(f"dst={dst} is not a rank of this world of {world}; pass the rank that talks "
+                                   f"to the engine (0 .. {world - 1})")
+    chunks = list(chunks)
+    description = checkpoint.describe(chunks)
+    local = gather.local_tensors(chunks)
+    chosen = gather.plan(local, dst)
+    _, config = _to_peft(_shapes_only(chosen), description, family)
+
+    def tensors() -> Iterator[Tuple[str, Dict[str, torch.Tensor]]]:
+        for unit, keys in gather.units(chosen):
+            logical = gather.collect(keys, chosen, local, dst)
+            yield unit, (_to_peft(logical, description, family)[0] if logical else {})
+
+    return config, tensors()
+
+
+def adapter_state(chunks: Iterable[torch.nn.Module], family: str = "llama", dst: int = 0) -> AdapterState:
+    """The PEFT adapter of the live model on rank `dst` (collective: call on every rank; other ranks get
+    the config and no tensors). Equal, byte for byte, to `megatron-lora-patch export --family FAMILY` of
+    a checkpoint the model would save now; load it with `peft.set_peft_model_state_dict`
+    (docs/handoff.md section 1)."""
+    config, units = stream(chunks, family, dst)
+    tensors: Dict[str, torch.Tensor] = {}
+    for _, part in units:
+        tensors.update(part)
+    return AdapterState(config, dict(sorted(tensors.items())), family)
