@@ -86,7 +86,7 @@ def test_every_import_points_down_or_sideways():
 )
 def test_an_upward_import_is_seen(tmp_path, line):
     """Negative control: the same check flags an upward import written into a registry module."""
-    source = tmp_path / "runtime/registry.py"
+    source = tmp_path / "registry.py"
     source.write_text(f"def later():\n    pass\n\nif True:\n{line if line.startswith(' ') else '    ' + line}\n")
     assert _upward("megatron_lora_patch.runtime.registry", source) != []
 

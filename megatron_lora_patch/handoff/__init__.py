@@ -6,9 +6,9 @@ gathered from its shards onto one rank; `stream` yields it one transformer layer
 are the arguments of each engine's load-from-tensors path.
 """
 
-from megatron_lora_patch.handoff.__init__.engines import EngineError, sglang_payload, vllm_payload
-from megatron_lora_patch.handoff.__init__.moe_layouts import LayoutError, convert
-from megatron_lora_patch.handoff.__init__.state import AdapterState, adapter_state, stream
+from megatron_lora_patch.handoff.engines import EngineError, sglang_payload, vllm_payload
+from megatron_lora_patch.handoff.moe_layouts import LayoutError, convert
+from megatron_lora_patch.handoff.state import AdapterState, adapter_state, stream
 
 __all__ = ["AdapterState", "EngineError", "LayoutError", "adapter_state", "convert", "sglang_payload", "stream",
            "vllm_payload"]
