@@ -8,7 +8,9 @@ from megatron_lora_patch.hookspecs import impl
 from megatron_lora_patch.patching import PatchSpec
 
 #: Patch modules under `megatron_lora_patch.patches`, in application order.
-PATCH_MODULES: tuple[str, ...] = ("lora_linear", "lora_checkpoint", "finalize_grads", "loss_normalization", "null_tokenizer", "tp_invariant")
+PATCH_MODULES: tuple[str, ...] = (
+    "lora_linear", "lora_checkpoint", "finalize_grads", "loss_normalization", "null_tokenizer", "layout_invariant",
+)
 
 
 @impl
