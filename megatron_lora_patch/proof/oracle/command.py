@@ -19,6 +19,8 @@ LAYOUT_TOPOLOGIES = (
     "tp2", "tp2-sp", "dp2", "pp2", "tp4", "tp4-sp", "dp4", "tp2-dp2", "tp2-dp2-sp", "tp2-pp2", "tp2-pp2-sp",
     "pp2-dp2", "tp2-pp2-dp2", "tp2-pp2-dp2-sp", "tp2-dp4", "tp4-dp2-sp",
 )
+#: `--layout-invariant`'s global batch: two microbatches in each of the 8 lanes of its reduction tree.
+LAYOUT_GLOBAL_BATCH = 16
 #: The full matrix, up to 8 ranks: CP, PP, ETP, 4- and 8-rank combinations.
 ALL_TOPOLOGIES = DEFAULT_TOPOLOGIES + (
     "tp4",
@@ -108,7 +110,8 @@ def check_arguments(args: argparse.Namespace) -> tuple:
         dtype=args.dtype,
         seed=_integer("--seed", args.seed, 0, MAX_SEED),
         model=args.model,
-        layout_invariant=args.layout_invariant or _deprecated_tp_invariant(args),
+        layout_invariant=(layout := args.layout_invariant or _deprecated_tp_invariant(args)),
+        global_batch_size=LAYOUT_GLOBAL_BATCH if layout else OracleSettings.global_batch_size,
         timeout_s=_seconds("--timeout", args.timeout),
     )
     default = LAYOUT_TOPOLOGIES if settings.layout_invariant else DEFAULT_TOPOLOGIES

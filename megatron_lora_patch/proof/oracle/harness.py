@@ -63,6 +63,7 @@ class OracleSettings:
     # More LoraConfig fields as (name, value) pairs, e.g. (("rslora", True), ("rank_pattern", {...}))
     lora_options: tuple = ()
     tie_embeddings: bool = False  # the dense / MoE model with tied embedding and output weights
+    global_batch_size: int = 8  # samples per step, micro batch 1 (--layout-invariant: 16, two per microbatch lane)
     timeout_s: float = 600.0
 
     def threshold(self, phase: str, step: int) -> Optional[float]:
@@ -155,10 +156,7 @@ def make_job(topology: Topology, settings: OracleSettings, mutation: Optional[Mu
     import functools
 
     spec = check_topology(topology, settings)
-    train = TrainSettings(
-        steps=settings.steps,
-        seed=settings.seed,
-    )
+    train = TrainSettings(steps=settings.steps, seed=settings.seed, global_batch_size=settings.global_batch_size)
     train = dataclasses.replace(
         train,
         capture=Capture(
