@@ -21,7 +21,7 @@ PACKAGE = "megatron_lora_patch"
 LAYERS = {
     "registry": 0, "hookspecs": 0, "outcomes": 0, "patching": 0, "flags": 0, "versions": 0, "errors": 0,
     "_bootstrap": 0, "__init__": 0, "apply": 0, "revert": 0, "status": 0, "SkipPatch": 0,
-    "lora": 1, "tp_invariant": 1, "cpu_testbed": 1, "null_tokenizer_eod": 1,
+    "lora": 1, "tp_invariant": 1, "layout_invariant": 1, "cpu_testbed": 1, "null_tokenizer_eod": 1,
     "patches": 2, "lora_correct": 2,
     "proof.testbed": 3, "proof.oracle": 4, "proof": 4,
     "cli": 5, "cli_status": 5, "cli_export": 5, "__main__": 5,
