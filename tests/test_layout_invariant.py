@@ -8,6 +8,8 @@ compared with world size 1, through the oracle's canonicalization, on forward ou
 per-microbatch losses and the reported loss, adapter grads, grad norm and adapter deltas:
 max |difference| must be exactly 0 in every phase.
 
+The same with Megatron's distributed optimizer on dp2, tp2-dp2-sp and pp2-dp2.
+
 Negative controls (each must show a non-zero difference somewhere):
 - the default mode (no layout_invariant) on dp2 and pp2;
 - the layout mode with a mutation that reduces in rank order (each rank chains its lanes in
@@ -68,9 +70,12 @@ RANK_ORDER = Mutation("rank_order_reduction", "DP partials reduced in rank order
 # -- runs and comparison -----------------------------------------------------------------------
 
 
-def _phases(settings, topology_text: str, shapes=None, mutation=None):
+def _phases(settings, topology_text: str, shapes=None, mutation=None, distributed_optimizer=False):
     """(canonical phases, adapter shapes) of one run; the shapes are read off a world-1 run."""
     job = harness.make_job(Topology.parse(topology_text), settings, mutation)
+    if distributed_optimizer:
+        train = dataclasses.replace(job.settings, use_distributed_optimizer=True)
+        job = dataclasses.replace(job, settings=train)
     (records,) = run_jobs([job], timeout=TIMEOUT_S, warnings="ignore")
     shapes = shapes if shapes is not None else harness.adapter_shapes(records)
     return harness.canonical_phases(records, job.spec, shapes), shapes
@@ -107,6 +112,15 @@ def test_layout_is_bitwise_equal_to_world_one(layout_reference, topology):
     assert set(differences) == {"forward", "loss", "grads", "grad_norm", "deltas"}
     assert differences == dict.fromkeys(differences, 0.0)
     assert all(metrics.passed for metrics in harness.compare(candidate, reference, LAYOUT).values())
+
+
+@pytest.mark.parametrize("topology", ["dp2", "tp2-dp2-sp", "pp2-dp2"])
+def test_distributed_optimizer_is_bitwise_equal_to_world_one(layout_reference, topology):
+    """Megatron's distributed optimizer (grads read off the full reduced buffer, Adam on DP shards)."""
+    reference, shapes = layout_reference
+    candidate, _ = _phases(LAYOUT, topology, shapes, distributed_optimizer=True)
+    differences = max_differences(candidate, reference)
+    assert differences == dict.fromkeys(differences, 0.0)
 
 
 @pytest.mark.parametrize("topology", ["dp2", "pp2"])

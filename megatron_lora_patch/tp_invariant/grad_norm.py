@@ -98,10 +98,10 @@ def _logical_grads(normed: List[tuple]) -> List[torch.Tensor]:
 
 def _optimizer_grads(optimizer: Any) -> List[tuple]:
     """(param, grad) the optimizer steps on: its own params, or under the distributed optimizer (whose
-    params are DP shards) the model params of its grad buffers with their full `main_grad`."""
+    params are this DP rank's shards) every trainable model param with its full `main_grad`."""
     _check_supported(optimizer)
     if getattr(optimizer.config, "use_distributed_optimizer", False):
-        return [(param, param.main_grad) for param in optimizer.model_param_gbuf_map
+        return [(param, param.main_grad) for chunk in optimizer.model_chunks for param in chunk.parameters()
                 if param.requires_grad and not getattr(param, "shared", False)]
     return [(param, param.grad) for param in optimizer.get_parameters()
             if param.grad is not None and not getattr(param, "shared", False)]
@@ -127,8 +127,9 @@ def _pipeline_fsum(values: List[torch.Tensor]) -> float:
 @torch.no_grad()
 def logical_grad_norm(optimizers: Iterable[Any]) -> float:
     """L2 norm of every (not shared) parameter's logical grad: float64 square sums per parameter,
-    added exactly (`math.fsum`) over all of them and all pipeline stages."""
-    normed = [pair for optimizer in optimizers for pair in _optimizer_grads(optimizer)]
+    added exactly (`math.fsum`) over all of them and all pipeline stages. Each parameter counts
+    once, also where chained distributed optimizers share the model chunks."""
+    normed = list({id(pair[0]): pair for optimizer in optimizers for pair in _optimizer_grads(optimizer)}.values())
     for param, _ in normed:
         _check_param(param)
     squares = [grad.double().square().sum() for grad in _logical_grads(normed)]
