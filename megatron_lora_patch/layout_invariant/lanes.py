@@ -165,3 +165,9 @@ def finish_grad_sync(wrapped, instance, args, kwargs):
     for lanes in dict.fromkeys(per_param.values()):
         lanes.reduce_into_grad_buffer()
     return None
+
+
+def lane_bytes() -> int:
+    """Bytes held by this process's lane buffers (the mode's adapter-sized extra grad memory)."""
+    buffers = {id(lanes): lanes for per_param in _LANES_OF.values() for lanes in per_param.values()}
+    return sum(flat.nbytes for lanes in buffers.values() for flat in lanes.flat.values())
