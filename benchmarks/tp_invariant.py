@@ -1,7 +1,8 @@
-"""Step time and peak memory of the TP-invariant mode vs the default mode at TP=2 (issue 7 benchmark).
+"""Step time and peak memory of the layout-invariant mode vs the default mode (issues 7 and 28).
 
-One gloo world of 2 ranks runs Megatron training steps of a GQA GPT with LoRA on every linear
-(the testbed driver: DDP, schedule, finalize, Adam with clipping) in both modes, alternating
+One gloo world (`--topology`: tp2, tp2-sp, dp2, pp2, tp2-dp2, ...) runs Megatron training steps of a
+GQA GPT with LoRA on every linear (the testbed driver: DDP, schedule, finalize, Adam with clipping)
+in both modes, alternating
 run by run (ABBA; the patches applied and reverted around each run), so machine drift hits
 both modes alike. Per step it records the wall time and the process CPU time (all threads of
 the rank, gloo's included; waiting descheduled is not counted, so it is the stable figure on a
@@ -14,13 +15,15 @@ Memory (one world per mode: the peak is per process): the growth of the process'
 over the resident size right after the model is built, max over ranks. tracemalloc is not used
 because torch's CPU allocator bypasses Python's allocator (it would see none of the tensors).
 RSS growth counts activations, gathered weights and temporaries, plus allocator slack. The
-state the mode keeps between steps (the cached full weights and factors, `tp_invariant.cache`)
-is reported separately, next to the rank's own parameter bytes.
+state the mode keeps between steps (the cached full weights and factors, `tp_invariant.cache`, and
+the microbatch lanes, `layout_invariant.lanes`) is reported separately, next to the rank's own
+parameter bytes.
 
 Anchor: Megatron-LM #4740 reports +70 % forward and +163 % end-to-end on GPU (TE kernels,
 real sizes); on 2 CPU cores with gloo the ratios are only indicative.
 
-Usage: python benchmarks/tp_invariant.py [--steps 4] [--warmup 1] [--rounds 4] [--hidden 256] [--seq 128] [--sp]
+Usage: python benchmarks/tp_invariant.py [--topology tp2] [--steps 4] [--warmup 1] [--rounds 4] [--hidden 256]
+    [--seq 128] [--global-batch 8]
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import time
 from megatron_lora_patch.proof.testbed.launcher import run_world
 
 PATCHES = ("cpu_compat", "lora_linear", "finalize_grads", "loss_normalization")
-MODES = (("default", False), ("tp_invariant", True))
+MODES = (("default", False), ("layout_invariant", True))
 #: Wall time, and the CPU time of the rank's process (all its threads): CPU time leaves out the time
 #: the process waits descheduled on a loaded machine, so its ratios stay stable under load.
 CLOCKS = (("s", time.perf_counter), ("cpu_s", time.process_time))
@@ -72,20 +75,21 @@ def _step_end(step, record, chunks) -> None:
     _FORWARD["seconds"] = (0.0, 0.0)
 
 
-def _train(spec, topology_text, invariant, steps) -> tuple:
+def _train(spec, topology_text, invariant, steps, global_batch) -> tuple:
     """One training run of `steps` steps in one mode: (record, time the run started)."""
     import megatron_lora_patch
+    from megatron_lora_patch.layout_invariant import lanes
     from megatron_lora_patch.lora.config import LoraConfig, set_active
     from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings, train_steps
     from megatron_lora_patch.proof.testbed.patches import apply_only
     from megatron_lora_patch.proof.testbed.topology import Topology
     from megatron_lora_patch.tp_invariant import cache
 
-    wanted = set(PATCHES) | ({"tp_invariant"} if invariant else set())
+    wanted = set(PATCHES) | ({"layout_invariant"} if invariant else set())
     apply_only(wanted)
     set_active(LoraConfig(rank=16, alpha=32.0, b_init="nonzero"))
     settings = TrainSettings(
-        steps=steps, global_batch_size=4, on_model_built=_time_forwards,
+        steps=steps, global_batch_size=global_batch, on_model_built=_time_forwards,
         capture=Capture(params=None, on_step_end=_step_end),
     )
     topology = Topology.parse(topology_text)
@@ -94,7 +98,7 @@ def _train(spec, topology_text, invariant, steps) -> tuple:
         with topology.world(seed=settings.seed):
             started = _now()
             record = train_steps(spec, topology, settings)
-            record["cache_bytes"] = cache.cached_bytes() if invariant else 0
+            record["cache_bytes"] = cache.cached_bytes() + lanes.lane_bytes() if invariant else 0
             record["param_bytes"] = _FORWARD["param_bytes"]
             return record, started
     finally:
@@ -111,18 +115,18 @@ def _step_times(record, started) -> dict:
     return times
 
 
-def _measure_memory(rank, world_size, spec, topology_text, invariant, steps) -> float:
+def _measure_memory(rank, world_size, spec, topology_text, invariant, steps, global_batch) -> float:
     """Peak RSS growth of one mode: its own world, since the peak is per process."""
-    _train(spec, topology_text, invariant, steps)
+    _train(spec, topology_text, invariant, steps, global_batch)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - _FORWARD["rss_before"]
 
 
-def _measure_times(rank, world_size, spec, topology_text, steps, rounds) -> list:
+def _measure_times(rank, world_size, spec, topology_text, steps, rounds, global_batch) -> list:
     """Both modes in ONE world, alternating run by run (ABBA), so machine drift hits both alike."""
     runs = []
     for round_index in range(rounds):
         modes = MODES if round_index % 2 == 0 else MODES[::-1]
-        runs.append({mode: _step_times(*_train(spec, topology_text, invariant, steps))
+        runs.append({mode: _step_times(*_train(spec, topology_text, invariant, steps, global_batch))
                      for mode, invariant in modes})
     return runs
 
@@ -137,15 +141,17 @@ def _summary(runs: list, warmup: int) -> dict:
         figures[mode] = {key: statistics.median(value for run in runs for value in run[mode][key][warmup:])
                          for key in TIMES}
     for key in TIMES:
-        ratios = [statistics.median(run["tp_invariant"][key][warmup:]) / statistics.median(run["default"][key][warmup:])
+        ratios = [statistics.median(run["layout_invariant"][key][warmup:])
+                  / statistics.median(run["default"][key][warmup:])
                   for run in runs]
         figures[f"{key}_ratio"] = (statistics.median(ratios), min(ratios), max(ratios))
-    figures["state_mib"] = {key: runs[-1]["tp_invariant"][key] / 2**20 for key in ("cache_bytes", "param_bytes")}
+    figures["state_mib"] = {key: runs[-1]["layout_invariant"][key] / 2**20 for key in ("cache_bytes", "param_bytes")}
     return figures
 
 
 def _report(options, topology: str, figures: dict, peak_mib: dict) -> None:
-    print(f"{topology}, GQA GPT hidden {options.hidden}, seq {options.seq}, LoRA r16 on all linears, global batch 4; "
+    print(f"{topology}, GQA GPT hidden {options.hidden}, seq {options.seq}, LoRA r16 on all linears, global batch "
+          f"{options.global_batch}; "
           f"{options.rounds} alternating runs per mode of {options.steps} timed steps (medians, rank 0; "
           f"wall time and process CPU time)")
     print(f"{'mode':14s} " + " ".join(f"{key:>14s}" for key in TIMES) + f" {'peak RSS growth MiB':>20s}")
@@ -153,14 +159,17 @@ def _report(options, topology: str, figures: dict, peak_mib: dict) -> None:
         print(f"{mode:14s} " + " ".join(f"{figures[mode][key]:14.4f}" for key in TIMES) + f" {peak_mib[mode]:20.1f}")
     for key in TIMES:
         median, low, high = figures[f"{key}_ratio"]
-        print(f"ratio tp_invariant / default, {key}: {median:.2f}x (per-round median; min {low:.2f}, max {high:.2f})")
-    print(f"peak RSS growth ratio {peak_mib['tp_invariant'] / max(peak_mib['default'], 1e-9):.2f}x; state kept by "
-          f"tp_invariant between steps (cached full weights, rank 0): {figures['state_mib']['cache_bytes']:.1f} MiB "
+        print(f"ratio layout_invariant / default, {key}: {median:.2f}x "
+              f"(per-round median; min {low:.2f}, max {high:.2f})")
+    print(f"peak RSS growth ratio {peak_mib['layout_invariant'] / max(peak_mib['default'], 1e-9):.2f}x; state kept "
+          f"by layout_invariant between steps (cached full weights and microbatch lanes, rank 0): "
+          f"{figures['state_mib']['cache_bytes']:.1f} MiB "
           f"on top of the rank's {figures['state_mib']['param_bytes']:.1f} MiB of parameters")
 
 
 def main() -> None:
     from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
+    from megatron_lora_patch.proof.testbed.topology import Topology
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
@@ -168,17 +177,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="runs per mode, alternating")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--sp", action="store_true", help="TP=2 with sequence parallelism")
+    parser.add_argument("--topology", default="tp2", help="tp2, tp2-sp, dp2, pp2, tp2-dp2, ... (testbed spec)")
+    parser.add_argument("--global-batch", type=int, default=8, help="samples per step (micro batch 1)")
     options = parser.parse_args()
     spec = TinyGPTSpec(hidden_size=options.hidden, ffn_hidden_size=2 * options.hidden, num_attention_heads=8,
                        num_query_groups=4, vocab_size=512, seq_length=options.seq)
-    topology = "tp2-sp" if options.sp else "tp2"
+    topology, world = options.topology, Topology.parse(options.topology).world_size
     steps = options.warmup + options.steps
-    runs = run_world(_measure_times, 2, args=(spec, topology, steps, options.rounds), timeout=3000,
-                     name=f"{topology} both modes")[0]
+    runs = run_world(_measure_times, world, args=(spec, topology, steps, options.rounds, options.global_batch),
+                     timeout=3000, name=f"{topology} both modes")[0]
     figures = _summary(runs, options.warmup)
-    peak_mib = {mode: max(run_world(_measure_memory, 2, args=(spec, topology, invariant, steps), timeout=1200,
-                                    name=f"{topology} {mode} memory")) / 2**20 for mode, invariant in MODES}
+    memory_args = (spec, topology, steps, options.global_batch)
+    peak_mib = {mode: max(run_world(_measure_memory, world, args=(*memory_args[:2], invariant, *memory_args[2:]),
+                                    timeout=1200, name=f"{topology} {mode} memory")) / 2**20
+                for mode, invariant in MODES}
     _report(options, topology, figures, peak_mib)
 
 if __name__ == "__main__":

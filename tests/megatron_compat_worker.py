@@ -101,7 +101,7 @@ def world1(rank: int, world_size: int) -> Dict[str, Any]:
     from megatron_lora_patch.proof.testbed.data import cp_sequence_positions
     from megatron_lora_patch.proof.testbed.topology import Topology
 
-    megatron_lora_patch.apply(["lora_correct"], enable={"tp_invariant": True}, strict=True)
+    megatron_lora_patch.apply(["lora_correct"], enable={"layout_invariant": True}, strict=True)
     spec = models.TinyGPTSpec(num_layers=4)
     topology = Topology.parse("tp1")
     tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_length), generator=torch.Generator().manual_seed(2))

@@ -168,7 +168,7 @@ def test_lora_correct_applied_on_plain_megatron_import(installed_python):
     rows, wrapped = json.loads(result.stdout.strip().splitlines()[-1])
     assert wrapped
     assert rows["lora_linear"] == "applied" and rows["lora_checkpoint"] == "applied"
-    assert rows["null_tokenizer"] == rows["tp_invariant"] == "disabled"  # opt-in patches
+    assert rows["null_tokenizer"] == rows["layout_invariant"] == "disabled"  # opt-in patches
     assert "cpu_compat" not in rows  # the CPU host support is the cpu_testbed plugin, never production
     assert rows["finalize_grads"] in ("applied", "not imported yet")
 

@@ -90,14 +90,19 @@ BAD_INPUTS = {
         ["--mutations", "skip_tp_sum"],
         f"unknown mutation 'skip_tp_sum'; known: {', '.join(MUTATIONS)}",
     ),
-    "tp-invariant-with-dp": (
-        ["--tp-invariant", "--topologies", "dp2"],
-        "--tp-invariant supports tensor parallelism (with or without sp) only; dp2 also uses pp/dp/cp/ep/etp: "
-        "use topologies like tp2, tp2-sp, tp4",
+    "layout-invariant-with-cp": (
+        ["--layout-invariant", "--topologies", "cp2"],
+        "--layout-invariant covers tp, sp, dp and pp; cp2 also uses cp/ep/etp: "
+        "use topologies like tp2, tp2-sp, dp2, pp2, tp2-dp2",
     ),
-    "tp-invariant-with-mutations": (
-        ["--tp-invariant", "--topologies", "tp2", "--mutations", "all"],
-        "--tp-invariant runs without mutations: they re-introduce bugs the invariant mode bypasses; drop --mutations",
+    "layout-invariant-with-dp3": (
+        ["--layout-invariant", "--topologies", "dp3"],
+        "--layout-invariant needs a dp dividing 8 (1, 2, 4, 8); dp3 has dp3",
+    ),
+    "layout-invariant-with-mutations": (
+        ["--layout-invariant", "--topologies", "tp2", "--mutations", "all"],
+        "--layout-invariant runs without mutations: they re-introduce bugs the invariant mode bypasses; "
+        "drop --mutations",
     ),
 }
 

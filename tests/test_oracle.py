@@ -115,19 +115,21 @@ def test_crashed_and_hung_ranks_are_failures_not_hangs():
     assert "injected failure on rank 1" in failing.table()
 
 
-def test_tp_invariant_oracle_is_bitwise_and_refuses_what_it_cannot_do():
-    settings = harness.OracleSettings(tp_invariant=True)
-    for run in (settings, harness.OracleSettings(tp_invariant=True, dtype="bf16", steps=3)):
+def test_layout_invariant_oracle_is_bitwise_and_refuses_what_it_cannot_do():
+    settings = harness.OracleSettings(layout_invariant=True)
+    for run in (settings, harness.OracleSettings(layout_invariant=True, dtype="bf16", steps=3)):
         report = harness.run_oracle(["tp2-sp"], [], run)
         (row,) = report.topologies
         assert report.passed and {p: m.rel_l2 for p, m in row.phases.items()} == dict.fromkeys(row.phases, 0.0), run
+        assert {p: m.max_abs for p, m in row.phases.items()} == dict.fromkeys(row.phases, 0.0), run
     for spec, message in (
-        ("dp2", "--tp-invariant supports tensor parallelism (with or without sp) only"),
-        ("tp2-ep2-sp", "--tp-invariant supports the dense model only"),
+        ("cp2", "--layout-invariant covers tp, sp, dp and pp; cp2 also uses cp/ep/etp"),
+        ("tp2-ep2-sp", "--layout-invariant supports the dense model only"),
+        ("dp3", "--layout-invariant needs a dp dividing 8"),
     ):
         with pytest.raises(harness.OracleError, match=re.escape(message)):
             harness.check_topology(Topology.parse(spec), settings)
-    with pytest.raises(harness.OracleError, match="--tp-invariant runs without mutations"):
+    with pytest.raises(harness.OracleError, match="--layout-invariant runs without mutations"):
         harness.run_oracle(["tp2"], [Mutation("m", "bug", "tp2")], settings)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lora_patch.patches.tp_invariant import SPEC
+from megatron_lora_patch.patches.layout_invariant import SPEC
 from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.runtime import versions
 
@@ -223,10 +223,13 @@ def test_tp4_bitwise_equal_to_tp1(topology):
 
 
 def test_apply_and_revert_restore_megatron_exactly():
-    """Every target is wrapped while on (status 'applied') and is the original object again after revert;
+    """Every target of `layout_invariant` (formerly `tp_invariant`) is wrapped while on (status 'applied')
+    and is the original object again after revert;
     the grad-sync strategy (dense factors complete, no TP SUM) is declared while on and undone by revert."""
+    import megatron.core.distributed.distributed_data_parallel as ddp
     import megatron.core.models.common.language_module.language_module as language_module
     import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel as tensor_parallel
     import megatron.core.tensor_parallel.cross_entropy as cross_entropy
     import megatron.core.tensor_parallel.layers as layers
@@ -246,13 +249,16 @@ def test_apply_and_revert_restore_megatron_exactly():
         (vars(optimizer.MixedPrecisionOptimizer), "step_with_ready_grads"),
         (vars(optimizer.FP32Optimizer), "step_with_ready_grads"),
         (vars(optimizer.ChainedOptimizer), "step_with_ready_grads"),
+        (vars(ddp.DistributedDataParallel), "_make_backward_post_hook"),
+        (vars(ddp.DistributedDataParallel), "zero_grad_buffer"),
+        (vars(ddp.DistributedDataParallel), "finish_grad_sync"), (vars(schedules), "backward_step"),
     ]
     originals = [namespace[name] for namespace, name in targets]
     try:
         megatron_lora_patch.apply(
-            plugins=["lora_correct"], enable={name: name == "tp_invariant" for name in PATCH_NAMES}, strict=True
+            plugins=["lora_correct"], enable={name: name == "layout_invariant" for name in PATCH_NAMES}, strict=True
         )
-        row = next(row for row in megatron_lora_patch.status() if row.patch == "tp_invariant")
+        row = next(row for row in megatron_lora_patch.status() if row.patch == "layout_invariant")
         assert row.state == "applied"
         assert all(namespace[name] is not original for (namespace, name), original in zip(targets, originals))
         assert grad_sync.set_complete_domains(frozenset({"tp"})) == {"tp"}

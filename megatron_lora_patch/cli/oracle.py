@@ -8,10 +8,19 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import tempfile
 
 #: Runs in under 3 minutes on 2 CPU cores: every parallel dimension once, 2 ranks each.
 DEFAULT_TOPOLOGIES = ("tp2", "tp2-sp", "dp2", "pp2", "cp2", "ep2", "tp2-etp2-sp")
+#: `--layout-invariant`'s default: 16 layouts of tp {1, 2, 4} x dp {1, 2, 4} x pp {1, 2}, with and without sp,
+#: up to 8 ranks (docs/architecture.md section 7).
+LAYOUT_TOPOLOGIES = (
+    "tp2", "tp2-sp", "dp2", "pp2", "tp4", "tp4-sp", "dp4", "tp2-dp2", "tp2-dp2-sp", "tp2-pp2", "tp2-pp2-sp",
+    "pp2-dp2", "tp2-pp2-dp2", "tp2-pp2-dp2-sp", "tp2-dp4", "tp4-dp2-sp",
+)
+#: `--layout-invariant`'s global batch: two microbatches in each of the 8 lanes of its reduction tree.
+LAYOUT_GLOBAL_BATCH = 16
 #: The full matrix, up to 8 ranks: CP, PP, ETP, 4- and 8-rank combinations.
 ALL_TOPOLOGIES = DEFAULT_TOPOLOGIES + (
     "tp4",
@@ -53,7 +62,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--topologies",
         default="default",
         help="comma list of topology specs (tp2-sp, dp2, pp2, ep2-dp2, tp2-ep2-etp2-sp, cp2, ...), "
-        f"'default' ({','.join(DEFAULT_TOPOLOGIES)}) or 'all' ({len(ALL_TOPOLOGIES)} topologies, up to 8 ranks)",
+        f"'default' ({','.join(DEFAULT_TOPOLOGIES)}; with --layout-invariant {len(LAYOUT_TOPOLOGIES)} tp/sp/dp/pp "
+        f"layouts) or 'all' ({len(ALL_TOPOLOGIES)} topologies, up to 8 ranks)",
     )
     parser.add_argument("--mutations", default="none", help="none, all, or a comma list of mutation names")
     parser.add_argument("--steps", default="2", help=f"optimizer steps K, 1 to {MAX_STEPS} (default 2)")
@@ -64,8 +74,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the machine-readable report here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG heat map of per-layer errors (needs matplotlib)")
     parser.add_argument("--seed", default="1234", help=f"0 to {MAX_SEED} (default 1234)")
-    parser.add_argument("--tp-invariant", action="store_true",
-                        help="run with the tp_invariant patch; pass only on bitwise-identical results (tp/sp topologies)")
+    parser.add_argument("--layout-invariant", action="store_true",
+                        help="run with the layout_invariant patch; pass only on bitwise-identical results "
+                        "(tp, sp, dp, pp topologies)")
+    parser.add_argument("--tp-invariant", action="store_true", help="deprecated name of --layout-invariant")
     parser.add_argument("--timeout", default="600", help="seconds per run before a world is killed (default 600)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the ranks' Megatron/torch warnings")
     parser.set_defaults(run=run)
@@ -98,14 +110,16 @@ def check_arguments(args: argparse.Namespace) -> tuple:
         dtype=args.dtype,
         seed=_integer("--seed", args.seed, 0, MAX_SEED),
         model=args.model,
-        tp_invariant=args.tp_invariant,
+        layout_invariant=(layout := args.layout_invariant or _deprecated_tp_invariant(args)),
+        global_batch_size=LAYOUT_GLOBAL_BATCH if layout else OracleSettings.global_batch_size,
         timeout_s=_seconds("--timeout", args.timeout),
     )
-    topologies = _select(args.topologies, "--topologies", {"default": DEFAULT_TOPOLOGIES, "all": ALL_TOPOLOGIES})
+    default = LAYOUT_TOPOLOGIES if settings.layout_invariant else DEFAULT_TOPOLOGIES
+    topologies = _select(args.topologies, "--topologies", {"default": default, "all": ALL_TOPOLOGIES})
     mutations = mutations_named(_select(args.mutations, "--mutations", {"none": (), "all": tuple(MUTATIONS)}))
-    if settings.tp_invariant and mutations:
-        raise OracleError("--tp-invariant runs without mutations: they re-introduce bugs the invariant mode bypasses; "
-                          "drop --mutations")
+    if settings.layout_invariant and mutations:
+        raise OracleError("--layout-invariant runs without mutations: they re-introduce bugs the invariant mode "
+                          "bypasses; drop --mutations")
     for spec in topologies:
         topology = Topology.parse(spec)
         if topology.world_size == 1:
@@ -122,6 +136,12 @@ def check_arguments(args: argparse.Namespace) -> tuple:
         except ImportError:
             raise OracleError("--plot needs matplotlib: pip install 'megatron-lora-patch[plot]'") from None
     return topologies, mutations, settings
+
+
+def _deprecated_tp_invariant(args: argparse.Namespace) -> bool:
+    if args.tp_invariant:
+        print("megatron-lora-patch oracle: --tp-invariant is deprecated; use --layout-invariant", file=sys.stderr)
+    return args.tp_invariant
 
 
 def _select(value: str, option: str, named: dict) -> tuple:

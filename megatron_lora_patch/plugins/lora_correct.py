@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from megatron_lora_patch.patches import (
     finalize_grads,
+    layout_invariant,
     lora_checkpoint,
     lora_linear,
     loss_normalization,
     null_tokenizer,
-    tp_invariant,
 )
 from megatron_lora_patch.runtime.hookspecs import impl
 from megatron_lora_patch.runtime.patching import PatchSpec
 
 #: The patch declarations this plugin contributes, in application order.
-PATCHES = (lora_linear, lora_checkpoint, finalize_grads, loss_normalization, null_tokenizer, tp_invariant)
+PATCHES = (lora_linear, lora_checkpoint, finalize_grads, loss_normalization, null_tokenizer, layout_invariant)
 PATCH_NAMES = tuple(module.SPEC.name for module in PATCHES)
 
 

@@ -7,6 +7,7 @@ Precedence (docs/architecture.md section 3): explicit API argument > environment
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from typing import Iterable, Mapping, Optional
 
@@ -22,6 +23,11 @@ PATCH_VARIABLE_PREFIX = "MEGATRON_LORA_PATCH_"
 
 #: Variables that were renamed: the old name fails with the new one.
 RENAMED = {"MEGATRON_LORA_PATCH_CPU_COMPAT_FORCE": CPU_COMPAT_FORCE_VARIABLE}
+
+#: Patches that were renamed: the old name (argument, `MEGATRON_LORA_PATCH_<OLD>`, disabled list)
+#: still works for the new one, with a one-line deprecation warning.
+RENAMED_PATCHES = {"tp_invariant": "layout_invariant"}
+_warned_renames: set = set()
 
 #: The runtime's own boolean variables (each validated at activation).
 BOOLEAN_VARIABLES = (STRICT_VARIABLE, ALLOW_UNTESTED_VARIABLE, CPU_COMPAT_FORCE_VARIABLE)
@@ -100,12 +106,34 @@ def patch_variable(patch_name: str) -> str:
     return PATCH_VARIABLE_PREFIX + patch_name.upper()
 
 
+def current_patch_name(name: str, where: str = "the patch name") -> str:
+    """`name`, or the new name of a renamed patch (warned once per old name and place)."""
+    new = RENAMED_PATCHES.get(name)
+    if new is None:
+        return name
+    if (name, where) not in _warned_renames:
+        _warned_renames.add((name, where))
+        logging.getLogger("megatron_lora_patch").warning(
+            "megatron-lora-patch: %s %r is deprecated; it now means %r (use that name)", where, name, new)
+    return new
+
+
+def _renamed_variable(name: str, environ: Mapping[str, str]) -> Optional[bool]:
+    """The boolean of a renamed patch's old variable, if set (the new variable wins when both are)."""
+    for old, new in RENAMED_PATCHES.items():
+        if new == name and env_bool(patch_variable(old), environ) is not None:
+            current_patch_name(old, patch_variable(old))
+            return env_bool(patch_variable(old), environ)
+    return None
+
+
 def check_variable_names(
     patch_names: Iterable[str], declared: Iterable[str], environ: Mapping[str, str] = os.environ
 ) -> None:
     """Every set `MEGATRON_LORA_*` variable is one somebody reads: the runtime's own, a patch
     flag, or one a loaded plugin declared. A typo (`MEGATRON_LORA_RNAK`) fails with a suggestion."""
     patch_flags = {patch_variable(name) for name in patch_names}
+    patch_flags |= {patch_variable(old) for old, new in RENAMED_PATCHES.items() if new in patch_names}
     known = set(RUNTIME_VARIABLES) | patch_flags | set(declared)
     for variable in sorted(environ):
         if not variable.startswith(VARIABLE_PREFIX) or variable in known or not environ[variable].strip():
@@ -126,14 +154,15 @@ def resolve_enabled(
 ) -> dict[str, tuple[bool, str]]:
     """Decide for each patch whether it is enabled and why: 'arg', 'env' or 'default'."""
     known = sorted(patch_defaults)
-    explicit = dict(explicit or {})
+    explicit = {current_patch_name(name, "the `enable` argument"): value for name, value in (explicit or {}).items()}
     check_known("the `enable` argument", explicit, known)
-    disabled = parse_names(environ.get(DISABLED_VARIABLE, ""))
+    disabled = [current_patch_name(name, DISABLED_VARIABLE) for name in parse_names(environ.get(DISABLED_VARIABLE, ""))]
     check_known(DISABLED_VARIABLE, disabled, known)
 
     decisions: dict[str, tuple[bool, str]] = {}
     for name, default in patch_defaults.items():
         forced = env_bool(patch_variable(name), environ)
+        forced = _renamed_variable(name, environ) if forced is None else forced
         if forced is True and name in disabled:
             raise FlagError(
                 f"{patch_variable(name)} turns {name} on but {DISABLED_VARIABLE} lists it; remove one of the two"

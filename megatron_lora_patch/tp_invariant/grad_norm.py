@@ -1,25 +1,33 @@
-"""The optimizer's grad norm over the logical (world-size-1) gradients, in float64.
+"""The optimizer's grad norm over the logical (world-size-1) gradients, in float64
+(docs/architecture.md section 7).
 
 Megatron sums squares per rank over the local shards and all-reduces the partial sums
 over the model-parallel group, so the norm (and the clip coefficient derived from it)
-depends on how TP cut the tensors. Here every rank all-gathers each TP-sharded grad into
-its world-size-1 layout, squares and sums it in float64, and adds the per-parameter sums
-in model order: the same operations on the same tensors at every TP degree, so the norm
-is bitwise identical and Megatron's own clipping (`max_norm / (norm + 1e-6)`, one scalar
-multiply per element) stays identical too. That exactness is why the coefficient needs
-no power-of-two rounding here (#4740 rounds it to absorb a 1-ULP jitter of per-rank sums).
+depends on how TP cut the tensors and how PP split the layers. Here every rank all-gathers
+each TP-sharded grad into its world-size-1 layout and squares and sums it in float64 (one
+value per parameter, the same operations on the same tensor at every layout); the
+per-parameter values of all pipeline stages are all-gathered over the PP group and added
+with `math.fsum`, which rounds the exact sum once and so does not depend on their order
+(parameter groups and stages order them differently per layout). The norm is bitwise
+identical and Megatron's own clipping (`max_norm / (norm + 1e-6)`, one scalar multiply per
+element) stays identical too. That exactness is why the coefficient needs no power-of-two
+rounding here (#4740 rounds it to absorb a 1-ULP jitter of per-rank sums). Data-parallel
+ranks hold identical grads in the layout-invariant mode, so they need no reduction; under
+the distributed optimizer the norm reads the model params' full `main_grad` (the
+layout-invariant combine leaves the whole grad buffer reduced on every rank).
 
 Cost: ONE all-gather per (TP group, dtype) per step, of every sharded trainable grad
 flattened into one buffer (for LoRA: the sharded factor grads only). Summing per-rank
 float64 partial sums instead (one scalar all-reduce) is not bitwise: it changes the
 float64 summation order with the TP degree (measured: it differs from the TP = 1 norm in
-the last bits). Supported: one pipeline stage, the non-distributed optimizer, no experts;
-the functions raise otherwise.
+the last bits); plus, under PP, one all-gather of one float64 per parameter. Not supported
+(the functions raise): experts, the precision-aware optimizer.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Dict, Iterable, List
 
 import torch
@@ -33,18 +41,8 @@ log = logging.getLogger(__name__)
 
 
 def _check_supported(optimizer: Any) -> None:
-    from megatron.core import parallel_state
-
-    config = optimizer.config
-    if getattr(config, "use_distributed_optimizer", False):
-        raise TPInvariantUnsupported(
-            "tp_invariant: the distributed optimizer shards grads over data parallel; use "
-            "use_distributed_optimizer=False with the TP-invariant mode"
-        )
-    if getattr(config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+    if getattr(optimizer.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
         raise TPInvariantUnsupported("tp_invariant: the precision-aware optimizer (decoupled grads) is not supported")
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        raise TPInvariantUnsupported("tp_invariant: pipeline parallelism is not supported (pp must be 1)")
 
 
 def _tp_group(param: Any) -> Any:
@@ -67,56 +65,75 @@ def _check_param(param: Any) -> None:
         )
 
 
-def _gather_flat(params: List[Any], group: Any) -> List[torch.Tensor]:
+def _gather_flat(params: List[Any], grads: List[torch.Tensor], group: Any) -> List[torch.Tensor]:
     """The logical grads of `params` (one TP group, one dtype) from ONE all-gather of their
-    flattened shards; each is then laid out exactly as a per-tensor gather would lay it out."""
+    flattened shards `grads`; each is then laid out exactly as a per-tensor gather would lay it out."""
     world = torch.distributed.get_world_size(group)
     if world == 1:
-        return [param.grad for param in params]
-    flat = torch.cat([param.grad.reshape(-1) for param in params])
+        return grads
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
     pieces = [torch.empty_like(flat) for _ in range(world)]
     torch.distributed.all_gather(pieces, flat, group=group)
-    per_rank = [piece.split([param.grad.numel() for param in params]) for piece in pieces]
+    per_rank = [piece.split([grad.numel() for grad in grads]) for piece in pieces]
     return [
-        unshard([chunks[index].view_as(param.grad) for chunks in per_rank], param.partition_dim,
+        unshard([chunks[index].view_as(grad) for chunks in per_rank], param.partition_dim,
                 getattr(param, "partition_stride", 1))
-        for index, param in enumerate(params)
+        for index, (param, grad) in enumerate(zip(params, grads))
     ]
 
 
-def _logical_sharded_grads(params: List[Any]) -> Dict[int, torch.Tensor]:
-    """id(param) -> logical grad of every TP-sharded param, one all-gather per (TP group, dtype)."""
-    buckets: Dict[tuple, List[Any]] = {}
-    for param in params:
+def _logical_grads(normed: List[tuple]) -> List[torch.Tensor]:
+    """The logical grad of every `(param, grad)`: TP-sharded ones from one all-gather per (TP group, dtype)."""
+    buckets: Dict[tuple, List[int]] = {}
+    for index, (param, grad) in enumerate(normed):
         if getattr(param, "tensor_model_parallel", False):
-            buckets.setdefault((_tp_group(param), param.grad.dtype), []).append(param)
-    logical: Dict[int, torch.Tensor] = {}
+            buckets.setdefault((_tp_group(param), grad.dtype), []).append(index)
+    logical = [grad for _, grad in normed]
     for (group, _), members in buckets.items():
-        logical.update(zip(map(id, members), _gather_flat(members, group)))
+        gathered = _gather_flat([normed[i][0] for i in members], [normed[i][1] for i in members], group)
+        for index, grad in zip(members, gathered):
+            logical[index] = grad
     return logical
 
 
-def _normed_params(optimizers: Iterable[Any]) -> List[Any]:
-    params = []
-    for optimizer in optimizers:
-        _check_supported(optimizer)
-        params += [param for param in optimizer.get_parameters()
-                   if param.grad is not None and not getattr(param, "shared", False)]
-    for param in params:
-        _check_param(param)
-    return params
+def _optimizer_grads(optimizer: Any) -> List[tuple]:
+    """(param, grad) the optimizer steps on: its own params, or under the distributed optimizer (whose
+    params are this DP rank's shards) every trainable model param with its full `main_grad`."""
+    _check_supported(optimizer)
+    if getattr(optimizer.config, "use_distributed_optimizer", False):
+        return [(param, param.main_grad) for chunk in optimizer.model_chunks for param in chunk.parameters()
+                if param.requires_grad and not getattr(param, "shared", False)]
+    return [(param, param.grad) for param in optimizer.get_parameters()
+            if param.grad is not None and not getattr(param, "shared", False)]
+
+
+def _pipeline_fsum(values: List[torch.Tensor]) -> float:
+    """`math.fsum` of this rank's float64 `values` and those of every other pipeline stage."""
+    from megatron.core import parallel_state
+
+    local = torch.stack(values) if values else torch.zeros(0, dtype=torch.float64)
+    group = parallel_state.get_pipeline_model_parallel_group()
+    if torch.distributed.get_world_size(group) > 1:
+        counts = [torch.zeros(1, dtype=torch.long) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(counts, torch.tensor([local.numel()]), group=group)
+        longest = max(int(count) for count in counts)
+        pieces = [torch.zeros(longest, dtype=torch.float64) for _ in counts]
+        padded = torch.cat([local, local.new_zeros(longest - local.numel())])
+        torch.distributed.all_gather(pieces, padded, group=group)
+        local = torch.cat([piece[: int(count)] for piece, count in zip(pieces, counts)])
+    return math.fsum(local.tolist())
 
 
 @torch.no_grad()
 def logical_grad_norm(optimizers: Iterable[Any]) -> float:
-    """L2 norm of every (not shared) parameter's logical grad, accumulated in float64 in model order."""
-    params = _normed_params(optimizers)
-    logical = _logical_sharded_grads(params)
-    total = None
-    for param in params:
-        square_sum = logical.get(id(param), param.grad).double().square().sum()
-        total = square_sum if total is None else total + square_sum
-    return 0.0 if total is None else float(total.sqrt())
+    """L2 norm of every (not shared) parameter's logical grad: float64 square sums per parameter,
+    added exactly (`math.fsum`) over all of them and all pipeline stages. Each parameter counts
+    once, also where chained distributed optimizers share the model chunks."""
+    normed = list({id(pair[0]): pair for optimizer in optimizers for pair in _optimizer_grads(optimizer)}.values())
+    for param, _ in normed:
+        _check_param(param)
+    squares = [grad.double().square().sum() for grad in _logical_grads(normed)]
+    return math.sqrt(_pipeline_fsum(squares))
 
 
 def get_grad_norm(wrapped, instance, args, kwargs):

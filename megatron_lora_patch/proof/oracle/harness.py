@@ -27,6 +27,7 @@ import re
 import time
 from typing import Dict, List, Optional, Sequence
 
+from megatron_lora_patch.layout_invariant.tree import LANES
 from megatron_lora_patch.proof.oracle import canonical
 from megatron_lora_patch.proof.oracle import thresholds as limits
 from megatron_lora_patch.proof.oracle.metrics import PhaseMetrics, compare_scalars, compare_tensors
@@ -56,21 +57,22 @@ class OracleSettings:
     dtype: str = "fp32"  # fp32 | bf16
     seed: int = 1234
     model: str = "auto"  # dense | moe | hybrid | auto (MoE for topologies with ep / etp)
-    tp_invariant: bool = False
+    layout_invariant: bool = False  # the layout_invariant patch on; every phase must match bitwise
     lora_rank: int = 4
     lora_alpha: float = 8.0
     # More LoraConfig fields as (name, value) pairs, e.g. (("rslora", True), ("rank_pattern", {...}))
     lora_options: tuple = ()
     tie_embeddings: bool = False  # the dense / MoE model with tied embedding and output weights
+    global_batch_size: int = 8  # samples per step, micro batch 1 (--layout-invariant: 16, two per microbatch lane)
     timeout_s: float = 600.0
 
     def threshold(self, phase: str, step: int) -> Optional[float]:
         """Pass threshold of `phase` at optimizer step `step`; None: not compared (proof/oracle/thresholds.py)."""
-        return limits.threshold(self.dtype, phase, step, self.tp_invariant)
+        return limits.threshold(self.dtype, phase, step, self.layout_invariant)
 
     @property
     def thresholds(self) -> Dict[str, Dict[str, Optional[float]]]:
-        return limits.describe(self.dtype, self.tp_invariant)
+        return limits.describe(self.dtype, self.layout_invariant)
 
 
 class OracleError(UsageError, ValueError):
@@ -94,13 +96,16 @@ def model_for(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
 def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
     """The model this topology runs, or one OracleError saying why it cannot run."""
     spec = model_for(topology, settings)
-    if settings.tp_invariant and spec.is_moe:
-        raise OracleError("--tp-invariant supports the dense model only; use --model dense or auto without ep/etp")
-    if settings.tp_invariant and any(size > 1 for size in (topology.pp, topology.dp, topology.cp, topology.ep, topology.etp)):
+    if settings.layout_invariant and spec.is_moe:
+        raise OracleError("--layout-invariant supports the dense model only; use --model dense or auto without ep/etp")
+    if settings.layout_invariant and any(size > 1 for size in (topology.cp, topology.ep, topology.etp)):
         raise OracleError(
-            f"--tp-invariant supports tensor parallelism (with or without sp) only; {topology} also uses "
-            "pp/dp/cp/ep/etp: use topologies like tp2, tp2-sp, tp4"
+            f"--layout-invariant covers tp, sp, dp and pp; {topology} also uses cp/ep/etp: "
+            "use topologies like tp2, tp2-sp, dp2, pp2, tp2-dp2"
         )
+    if settings.layout_invariant and LANES % topology.dp:
+        raise OracleError(f"--layout-invariant needs a dp dividing {LANES} (1, 2, 4, 8); {topology} has "
+                          f"dp{topology.dp}")
     check_topology_fits(spec, topology)
     return spec
 
@@ -120,8 +125,8 @@ def oracle_job(settings: OracleSettings, mutation: Optional[Mutation]):
         "finalize_grads": True,
         "loss_normalization": True,
     }
-    if settings.tp_invariant:
-        enable["tp_invariant"] = True
+    if settings.layout_invariant:
+        enable["layout_invariant"] = True
     enable.update(mutation.patches if mutation else {})
     megatron_lora_patch.apply(plugins=TESTBED_PLUGINS, enable=enable)
     lora = dict(rank=settings.lora_rank, alpha=settings.lora_alpha, b_init="nonzero", seed=settings.seed)
@@ -151,10 +156,7 @@ def make_job(topology: Topology, settings: OracleSettings, mutation: Optional[Mu
     import functools
 
     spec = check_topology(topology, settings)
-    train = TrainSettings(
-        steps=settings.steps,
-        seed=settings.seed,
-    )
+    train = TrainSettings(steps=settings.steps, seed=settings.seed, global_batch_size=settings.global_batch_size)
     train = dataclasses.replace(
         train,
         capture=Capture(
@@ -256,8 +258,9 @@ def run_oracle(
     ERRORED mutation); a failed reference stops there: the report says so and compares nothing.
     `rank_warnings`: the ranks' warnings filter ("default" shows Megatron's and torch's)."""
     started = time.monotonic()
-    if settings.tp_invariant and mutations:
-        raise OracleError("--tp-invariant runs without mutations: they re-introduce bugs the invariant mode bypasses")
+    if settings.layout_invariant and mutations:
+        raise OracleError("--layout-invariant runs without mutations: they re-introduce bugs the invariant mode "
+                          "bypasses")
     runs = [(Topology.parse(spec), None) for spec in topologies]
     runs += [(Topology.parse(mutation.topology), mutation) for mutation in mutations]
     run_settings = [mutation_settings(settings, m) for _, m in runs]
@@ -281,7 +284,7 @@ def run_oracle(
     for (topology, mutation), job, s, (records, error) in zip(runs, jobs, run_settings, outcomes):
         phases, routing, error = _judge(job, records, error, expected[_reference_key(job, s)], settings)
         note = ""
-        if routing and not limits.routing_must_match(settings.dtype, settings.tp_invariant):
+        if routing and not limits.routing_must_match(settings.dtype, settings.layout_invariant):
             where = routing.split(": ", 1)[-1]
             note, routing = f"bf16 rounding flipped near-tie MoE routing choices (reported, not failed): {where}", ""
         if mutation is None:

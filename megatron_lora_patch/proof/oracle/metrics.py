@@ -37,12 +37,14 @@ class PhaseMetrics:
     @property
     def passed(self) -> bool:
         # NaN fails; so does an error of 100% or more whatever the threshold (an all-zero
-        # candidate against a non-zero reference is exactly 1.0)
+        # candidate against a non-zero reference is exactly 1.0); the bitwise gate asks max |difference| == 0
+        if self.threshold == 0:
+            return self.rel_l2 == 0 and self.max_abs == 0
         return self.rel_l2 <= self.threshold and self.rel_l2 < 1.0
 
     @property
     def ratio(self) -> float:
-        if self.threshold == 0:  # the bitwise (tp-invariant) gate
+        if self.threshold == 0:  # the bitwise (layout-invariant) gate
             return 0.0 if self.rel_l2 == 0 else float("inf")
         return self.rel_l2 / self.threshold
 
@@ -77,9 +79,10 @@ def compare_tensors(actual: Mapping[str, torch.Tensor], expected: Mapping[str, t
 
 
 def compare_scalars(actual: Mapping[str, float], expected: Mapping[str, float], threshold: float) -> PhaseMetrics:
+    """Scalars (losses, grad norms: Python floats) compared as float64, so no last bit is rounded away."""
     return compare_tensors(
-        {k: torch.tensor(float(v)) for k, v in actual.items()},
-        {k: torch.tensor(float(v)) for k, v in expected.items()},
+        {k: torch.tensor(float(v), dtype=torch.float64) for k, v in actual.items()},
+        {k: torch.tensor(float(v), dtype=torch.float64) for k, v in expected.items()},
         threshold,
     )
 

@@ -48,5 +48,5 @@ def _log_ratio(phases: dict, phase: str, layer: str) -> float:
     metrics = phases.get(phase)
     if metrics is None or layer not in metrics.per_layer:
         return math.nan
-    threshold = metrics.threshold or 1e-12  # the tp-invariant thresholds are exactly 0
+    threshold = metrics.threshold or 1e-12  # the layout-invariant thresholds are exactly 0
     return math.log10(max(metrics.per_layer[layer], 1e-30) / threshold)

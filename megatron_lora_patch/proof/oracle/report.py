@@ -90,7 +90,7 @@ TRACEBACK_TAIL = 12
 
 @dataclasses.dataclass
 class OracleReport:
-    settings: dict  # model, dtype, steps, seed, tp_invariant, ...
+    settings: dict  # model, dtype, steps, seed, layout_invariant, ...
     topologies: list = dataclasses.field(default_factory=list)
     mutations: list = dataclasses.field(default_factory=list)
     wall_s: float = 0.0

@@ -71,29 +71,30 @@ THRESHOLDS: dict[str, dict[str, tuple[Optional[float], Optional[float]]]] = {
 }
 
 
-def threshold(dtype: str, phase: str, step: int, tp_invariant: bool = False) -> Optional[float]:
+def threshold(dtype: str, phase: str, step: int, layout_invariant: bool = False) -> Optional[float]:
     """The pass threshold of `phase` at optimizer step `step` (0-based), or None: not compared.
 
-    `tp_invariant`: bitwise identity is claimed for every step, so 0 everywhere, bf16 included."""
-    if tp_invariant:
+    `layout_invariant`: bitwise identity is claimed for every step, so 0 everywhere, bf16 included."""
+    if layout_invariant:
         return 0.0
     first, later = THRESHOLDS[dtype][phase]
     return first if step == 0 else later
 
 
-def routing_must_match(dtype: str, tp_invariant: bool = False) -> bool:
+def routing_must_match(dtype: str, layout_invariant: bool = False) -> bool:
     """Whether a MoE routing decision that differs from world-1 fails the run.
 
     fp32 (and the bitwise mode): yes, comparisons after a flipped top-k choice are meaningless.
     bf16: rounding flips near-tie choices on correct code (measured: 3 tokens of 128 at step 0
     on tp2-etp2-sp), and the bf16 thresholds were measured with those flips in: reported only."""
-    return tp_invariant or dtype != "bf16"
+    return layout_invariant or dtype != "bf16"
 
 
-def describe(dtype: str, tp_invariant: bool = False) -> dict:
+def describe(dtype: str, layout_invariant: bool = False) -> dict:
     """{phase: {"step 0": t, "later steps": t}} for the report (None: not compared)."""
     return {
-        phase: {"step 0": threshold(dtype, phase, 0, tp_invariant), "later steps": threshold(dtype, phase, 1, tp_invariant)}
+        phase: {"step 0": threshold(dtype, phase, 0, layout_invariant),
+                "later steps": threshold(dtype, phase, 1, layout_invariant)}
         for phase in PHASES
     }
 

@@ -17,7 +17,7 @@ import torch
 
 from megatron_lora_patch.proof.testbed import data as testing_data
 from megatron_lora_patch.proof.testbed import distributed_optimizer
-from megatron_lora_patch.proof.testbed.pretrain import PER_TOKEN, forward_step_for
+from megatron_lora_patch.proof.testbed.pretrain import PER_TOKEN, forward_step_for, reduced_lm_loss
 from megatron_lora_patch.proof.testbed.rank import to_cpu
 
 #: Sentinel for `finalize_model_grads_func`: resolve Megatron's function when the run starts, so a patch
@@ -243,22 +243,6 @@ def _recording_losses(forward_step: Callable, sink: List[dict]) -> Callable:
     return recorded_forward_step
 
 
-def _reduced_lm_loss(reports: List[dict]) -> Optional[float]:
-    """Megatron-LM `train_step`'s logged loss: token mean over DP x CP, or mean of means (legacy)."""
-    from megatron.core import parallel_state
-
-    if not reports:
-        return None
-    values = [report["lm loss"].view(-1) for report in reports]
-    if values[0].numel() == 2:
-        total = torch.vstack(values).sum(dim=0)
-        torch.distributed.all_reduce(
-            total, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
-        )
-        return (total[0] / total[1]).item()
-    return torch.cat(values).mean().item()
-
-
 def _global_batches(spec, settings: TrainSettings) -> List[testing_data.Batch]:
     """Each step's global batch: seeded random tokens, or `settings.data_path`'s first tokens in order."""
     per_step = settings.global_batch_size * (spec.seq_length + 1)
@@ -391,7 +375,7 @@ def _train_step(run: _Run, spec, settings: TrainSettings, step: int, global_batc
     keep_params = step == settings.steps - 1 or settings.capture.params_every_step
     return {
         "microbatches": list(run.microbatch_losses),
-        "lm_loss": _reduced_lm_loss(reports),
+        "lm_loss": reduced_lm_loss(reports),
         "grad_norm": None if grad_norm is None else float(grad_norm),
         "update_successful": bool(update_successful),
         "grads": grads,

@@ -24,7 +24,9 @@ def all_patch_names() -> tuple[str, ...]:
 def apply_only(names: Collection[str], strict: Optional[bool] = None) -> list:
     """Apply the two plugins with exactly the patches in `names` on; returns the status rows."""
     import megatron_lora_patch
+    from megatron_lora_patch.runtime.flags import current_patch_name
 
+    names = {current_patch_name(name) for name in names}
     unknown = set(names) - set(all_patch_names())
     if unknown:
         raise ValueError(f"apply_only: unknown patches {sorted(unknown)}; known: {', '.join(all_patch_names())}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Callable, Iterator
+from typing import Callable, Iterator, List, Optional
 
 import torch
 
@@ -101,3 +101,25 @@ def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module, loss_fu
 def forward_step_for(variant: str) -> Callable:
     """`forward_step(data_iterator, model)` bound to the loss variant's function."""
     return functools.partial(forward_step, loss_function=loss_function_for(variant))
+
+
+def reduced_lm_loss(reports: List[dict]) -> Optional[float]:
+    """Megatron-LM `train_step`'s logged loss: token mean over DP x CP, or mean of means (legacy);
+    under the layout-invariant mode its exact reduction (`layout_invariant.losses`)."""
+    from megatron.core import parallel_state
+
+    from megatron_lora_patch.integrations import layout_invariant as hooks
+    from megatron_lora_patch.layout_invariant import losses
+
+    if not reports:
+        return None
+    if hooks.is_active():  # the layout-invariant mode's own, layout-independent reduction
+        return losses.reduced_loss(reports)
+    values = [report["lm loss"].view(-1) for report in reports]
+    if values[0].numel() == 2:
+        total = torch.vstack(values).sum(dim=0)
+        torch.distributed.all_reduce(
+            total, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+        )
+        return (total[0] / total[1]).item()
+    return torch.cat(values).mean().item()

@@ -1,5 +1,7 @@
-"""The hooks the `tp_invariant` patch installs: each routes one Megatron-Core target to the
-TP-invariant math of this package (`linear`, `loss`, `grad_norm`; docs/architecture.md section 7).
+"""The hooks the `layout_invariant` patch installs (docs/architecture.md section 7): the per-layer
+TP-invariant math (`tp_invariant.linear`, `loss`, `grad_norm`) and, for DP / PP, Megatron DDP's grad
+accumulation and DP reduction in the canonical tree plus the microbatch numbering in the schedules
+(`layout_invariant.lanes`).
 """
 
 from __future__ import annotations
@@ -73,3 +75,31 @@ def patch_optimizer(patcher, optimizer) -> None:
     patcher.wrap(optimizer.ChainedOptimizer, "get_grad_norm", grad_norm.chained_get_grad_norm)
     for name in STEPPING_OPTIMIZERS:
         patcher.wrap(getattr(optimizer, name), "step_with_ready_grads", cache.optimizer_stepped)
+
+
+_STATE = {"active": False}
+
+
+def is_active() -> bool:
+    """Whether the layout-invariant patch is applied in this process (the testbed's loss report asks)."""
+    return _STATE["active"]
+
+
+def patch_ddp(patcher, ddp) -> None:
+    """Per-microbatch grads into lanes, the lane tree instead of DDP's all-reduce. (`__init__` is the
+    loss_normalization patch's: each DDP module gets its lanes, after the mode's checks, on first use.)"""
+    from megatron_lora_patch.layout_invariant import lanes
+
+    owner = ddp.DistributedDataParallel
+    patcher.wrap(owner, "_make_backward_post_hook", lanes.make_backward_post_hook)
+    patcher.wrap(owner, "zero_grad_buffer", lanes.zero_grad_buffer)
+    patcher.wrap(owner, "finish_grad_sync", lanes.finish_grad_sync)
+    _STATE["active"] = True
+    patcher.on_revert(lambda: _STATE.update(active=False))
+
+
+def patch_schedules(patcher, schedules) -> None:
+    """Number the microbatches whose backward runs (every schedule calls the module's `backward_step`)."""
+    from megatron_lora_patch.layout_invariant import lanes
+
+    patcher.wrap(schedules, "backward_step", lanes.counted_backward_step)

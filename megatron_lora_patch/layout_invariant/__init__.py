@@ -1,0 +1,17 @@
+"""Layout-invariant mode: the same bits on any TP x DP x PP layout (docs/architecture.md section 7).
+
+Grown from the TP-invariant mode (`megatron_lora_patch.tp_invariant`, which keeps the per-layer
+math); this package adds what data and pipeline parallelism change:
+- `tree`: the canonical reduction tree over global microbatches (lanes, subtree property);
+- `lanes`: per-microbatch adapter grads summed into lanes instead of Megatron's running
+  `main_grad`, and the DP all-gather of lane partials that replaces DDP's all-reduce;
+- `losses`: the reported loss reduced over global microbatches in one fixed order;
+- `checks`: the one-line refusals of what the mode does not cover;
+- `hooks`: what the `layout_invariant` patch installs on Megatron-Core's DDP and schedules.
+"""
+
+from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
+
+
+class LayoutInvariantUnsupported(TPInvariantUnsupported):
+    """The layout-invariant mode cannot run this configuration bit-exactly; the message says what to change."""
