@@ -21,7 +21,7 @@ PACKAGE = "megatron_lora_patch"
 #: Module prefix under the package -> layer rank (higher may import lower); longest prefix wins.
 LAYERS = {
     "__init__": 0, "runtime": 0, "apply": 0, "revert": 0, "status": 0, "SkipPatch": 0,
-    "lora.config": 1, "lora.adapters": 1, "cpu_testbed": 1,
+    "lora.config": 1, "lora.config_rules": 1, "lora.adapters": 1, "cpu_testbed": 1,
     "lora.layers": 2, "lora.training": 2,
     "lora.checkpoints": 3,
     "lora.exchange": 4,

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from megatron_lora_patch.patches.layout_invariant import SPEC
-from megatron_lora_patch.proof.oracle import harness
+from megatron_lora_patch.proof.oracle import harness, phases
 from megatron_lora_patch.proof.oracle.mutations import Mutation
 from megatron_lora_patch.proof.testbed.runner import run_jobs
 from megatron_lora_patch.proof.testbed.topology import Topology
@@ -77,8 +77,8 @@ def _phases(settings, topology_text: str, shapes=None, mutation=None, distribute
         train = dataclasses.replace(job.settings, use_distributed_optimizer=True)
         job = dataclasses.replace(job, settings=train)
     (records,) = run_jobs([job], timeout=TIMEOUT_S, warnings="ignore")
-    shapes = shapes if shapes is not None else harness.adapter_shapes(records)
-    return harness.canonical_phases(records, job.spec, shapes), shapes
+    shapes = shapes if shapes is not None else phases.adapter_shapes(records)
+    return phases.canonical_phases(records, job.spec, shapes), shapes
 
 
 def max_differences(candidate: dict, reference: dict) -> dict:
@@ -111,7 +111,7 @@ def test_layout_is_bitwise_equal_to_world_one(layout_reference, topology):
     differences = max_differences(candidate, reference)
     assert set(differences) == {"forward", "loss", "grads", "grad_norm", "deltas"}
     assert differences == dict.fromkeys(differences, 0.0)
-    assert all(metrics.passed for metrics in harness.compare(candidate, reference, LAYOUT).values())
+    assert all(metrics.passed for metrics in phases.compare(candidate, reference, LAYOUT).values())
 
 
 @pytest.mark.parametrize("topology", ["dp2", "tp2-dp2-sp", "pp2-dp2"])
@@ -137,4 +137,4 @@ def test_rank_order_reduction_is_caught(layout_reference, topology):
     candidate, _ = _phases(LAYOUT, topology, shapes, mutation=RANK_ORDER)
     differences = max_differences(candidate, reference)
     assert differences["grads"] > 0 and differences["deltas"] > 0, differences
-    assert not all(metrics.passed for metrics in harness.compare(candidate, reference, LAYOUT).values())
+    assert not all(metrics.passed for metrics in phases.compare(candidate, reference, LAYOUT).values())

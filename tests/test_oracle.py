@@ -10,7 +10,7 @@ import oracle_faults
 import pytest
 
 from megatron_lora_patch.cli.oracle import ALL_TOPOLOGIES, DEFAULT_TOPOLOGIES
-from megatron_lora_patch.proof.oracle import canonical, harness
+from megatron_lora_patch.proof.oracle import canonical, harness, phases
 from megatron_lora_patch.proof.oracle.mutations import Mutation
 from megatron_lora_patch.proof.oracle.report import OracleReport, TopologyResult
 from megatron_lora_patch.proof.testbed.topology import Topology
@@ -54,10 +54,10 @@ def sp_records():
 
 
 def _forward_metrics(spec, reference, candidate):
-    shapes = harness.adapter_shapes(reference)
-    expected = harness.canonical_phases(reference, spec, shapes)
-    actual = harness.canonical_phases(candidate, spec, shapes)
-    return harness.compare(actual, expected, harness.OracleSettings())
+    shapes = phases.adapter_shapes(reference)
+    expected = phases.canonical_phases(reference, spec, shapes)
+    actual = phases.canonical_phases(candidate, spec, shapes)
+    return phases.compare(actual, expected, harness.OracleSettings())
 
 
 def test_correct_canonicalization_passes(sp_records):
@@ -140,7 +140,7 @@ def test_moe_routing_equals_world1_and_a_flip_is_named():
     jobs[0] = harness.make_job(Topology.parse("tp1"), harness.settings_for(jobs[1].spec, settings))
     (reference, error_1), (candidate, error_2) = harness._run_isolated(jobs, timeout=600)
     assert error_1 is None and error_2 is None
-    expected, actual = harness.routing_maps(reference), harness.routing_maps(candidate)
+    expected, actual = phases.routing_maps(reference), phases.routing_maps(candidate)
     spec = jobs[1].spec
     microbatches = 8  # TrainSettings.global_batch_size / micro_batch_size
     assert len(expected) == settings.steps * spec.num_layers * microbatches

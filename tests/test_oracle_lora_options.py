@@ -12,7 +12,7 @@ with the scale; a layout or reduction error moves step 0 by >= 0.26 (thresholds.
 from __future__ import annotations
 
 from megatron_lora_patch.cli.oracle import DEFAULT_TOPOLOGIES
-from megatron_lora_patch.proof.oracle import harness
+from megatron_lora_patch.proof.oracle import harness, phases
 from megatron_lora_patch.proof.oracle.mutations import MUTATIONS
 from megatron_lora_patch.proof.testbed.topology import Topology
 
@@ -32,7 +32,7 @@ def _reference_ranks(settings: harness.OracleSettings) -> dict:
     (records, error), = harness._run_isolated([harness.make_job(Topology.parse("tp1"), settings)], timeout=600)
     assert error is None, error
     ranks: dict = {}
-    for name, shape in harness.adapter_shapes(records).items():
+    for name, shape in phases.adapter_shapes(records).items():
         if name.endswith(".lora.A"):
             kind = "expert" if "local_experts" in name else name.split(".")[-3]
             ranks.setdefault(kind, set()).add(shape[0])

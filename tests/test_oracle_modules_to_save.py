@@ -19,7 +19,7 @@ from __future__ import annotations
 from test_oracle_lora_options import DENSE_TOPOLOGIES, MOE_TOPOLOGIES
 
 from megatron_lora_patch.cli.oracle import DEFAULT_TOPOLOGIES
-from megatron_lora_patch.proof.oracle import harness, known_bugs
+from megatron_lora_patch.proof.oracle import harness, known_bugs, phases
 from megatron_lora_patch.proof.oracle.mutations import MUTATIONS, Mutation
 from megatron_lora_patch.proof.testbed.topology import Topology
 
@@ -32,7 +32,7 @@ def _trained_base_weights(settings: harness.OracleSettings) -> set:
     """The non-adapter parameters the world-1 run of `settings` trains (captures hold trainable ones only)."""
     (records, error), = harness._run_isolated([harness.make_job(Topology.parse("tp1"), settings)], timeout=600)
     assert error is None, error
-    return {name for name in harness.adapter_shapes(records) if ".lora." not in name}
+    return {name for name in phases.adapter_shapes(records) if ".lora." not in name}
 
 
 def _check(report, topologies) -> None:

@@ -37,31 +37,33 @@ sharding and grad sync (`trained_fully.py` says which modules qualify; tied embe
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import fnmatch
-import json
-import math
 import os
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
-from megatron_lora_patch.runtime.errors import UsageError
-from megatron_lora_patch.runtime.flags import ACCEPTED_BOOLEANS, parse_bool
+from megatron_lora_patch.lora.config_rules import (
+    B_INIT_CHOICES,
+    CONFIG_FILE_VARIABLE,
+    DEFAULT_TARGETS,
+    ENV_PREFIX,
+    INIT_CHOICES,
+    PATTERN_FIELDS,
+    RULES,
+    SP_INPUT_CHOICES,
+    TRAINABLE_MODULES,
+    LoraConfigError,
+    as_pairs,
+    check,
+    first_match,
+    module_matches,
+    parse,
+    read_config_file,
+    scaling,
+)
 
-ENV_PREFIX = "MEGATRON_LORA_"
-CONFIG_FILE_VARIABLE = ENV_PREFIX + "CONFIG"
-DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-INIT_CHOICES = ("kaiming", "gaussian")
-B_INIT_CHOICES = ("zero", "nonzero")
-SP_INPUT_CHOICES = ("keep", "regather")
-PATTERN_FIELDS = ("rank_pattern", "alpha_pattern")
-#: Canonical names of the modules that may train fully (`modules_to_save`; lora/layers/trained_fully.py says why).
-TRAINABLE_MODULES = ("output_layer", "embedding.word_embeddings")
-
-
-class LoraConfigError(UsageError, ValueError):
-    """A configuration value is invalid; the message is one line naming where it came from.
-    (Still a ValueError, as before, for callers that catch that.)"""
-
+__all__ = [  # the rules' names users of the configuration reach through this module
+    "B_INIT_CHOICES", "DEFAULT_TARGETS", "INIT_CHOICES", "PATTERN_FIELDS", "SP_INPUT_CHOICES", "TRAINABLE_MODULES",
+    "LoraConfig", "LoraConfigError", "module_matches",
+]
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
@@ -88,26 +90,26 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         for name in PATTERN_FIELDS:  # a mapping, or JSON's list of pairs, as a tuple of pairs in order
-            object.__setattr__(self, name, _as_pairs(name, getattr(self, name)))
+            object.__setattr__(self, name, as_pairs(name, getattr(self, name)))
         for field in dataclasses.fields(self):
-            _check(field.name, getattr(self, field.name), f"LoraConfig.{field.name}")
+            check(field.name, getattr(self, field.name), f"LoraConfig.{field.name}")
 
     @property
     def scale(self) -> float:
         """The LoRA scaling of a module no pattern matches: alpha / r (alpha / sqrt(r) for rsLoRA)."""
-        return _scaling(self.alpha, self.rank, self.rslora)
+        return scaling(self.alpha, self.rank, self.rslora)
 
     def rank_for(self, module: str) -> int:
         """The rank of the adapter of `module` (canonical name): the first matching rank_pattern entry, else `rank`."""
-        return _first_match(self.rank_pattern, module, self.rank)
+        return first_match(self.rank_pattern, module, self.rank)
 
     def alpha_for(self, module: str) -> float:
         """The alpha of the adapter of `module`: the first matching alpha_pattern entry, else `alpha`."""
-        return _first_match(self.alpha_pattern, module, self.alpha)
+        return first_match(self.alpha_pattern, module, self.alpha)
 
     def scale_for(self, module: str) -> float:
         """The scaling of the adapter of `module` (its own rank and alpha)."""
-        return _scaling(self.alpha_for(module), self.rank_for(module), self.rslora)
+        return scaling(self.alpha_for(module), self.rank_for(module), self.rslora)
 
     def description(self) -> dict:
         """The fields an exporter needs, as plain JSON data (`from_description` reads them back)."""
@@ -138,23 +140,23 @@ class LoraConfig:
 def _parse_environment(environ: Mapping[str, str]) -> "tuple[LoraConfig, dict]":
     """The configuration and, per field, the label naming where its value came from."""
     values: dict = {}
-    labels = {name: ENV_PREFIX + name.upper() for name in _RULES}
+    labels = {name: ENV_PREFIX + name.upper() for name in RULES}
     path = environ.get(CONFIG_FILE_VARIABLE, "").strip()
     if path:
-        values.update(_read_config_file(path))
+        values.update(read_config_file(path))
         labels.update({name: f"{name} in {path}" for name in values})
-    for name in _RULES:
+    for name in RULES:
         variable = ENV_PREFIX + name.upper()
         raw = environ.get(variable, "")
         if raw.strip():  # empty or blank means unset
-            values[name] = _parse(name, raw, variable)
+            values[name] = parse(name, raw, variable)
             labels[name] = variable
     return LoraConfig(**values), labels
 
 
 def env_variables() -> tuple:
     """Every environment variable `from_env` reads."""
-    return (CONFIG_FILE_VARIABLE,) + tuple(ENV_PREFIX + name.upper() for name in _RULES)
+    return (CONFIG_FILE_VARIABLE,) + tuple(ENV_PREFIX + name.upper() for name in RULES)
 
 
 _active: Optional[LoraConfig] = None
@@ -192,195 +194,4 @@ def active_with_labels() -> "tuple[LoraConfig, dict]":
 
 
 def code_labels() -> dict:
-    return {name: f"LoraConfig.{name}" for name in _RULES}
-
-
-def module_matches(name: str, patterns: Any) -> bool:
-    """A target / exclude / pattern entry matches a module whose last name component equals it,
-    or whose canonical qualified name matches it as an fnmatch glob."""
-    short = name.rsplit(".", 1)[-1]
-    return any(pattern == short or fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
-
-
-def _as_pairs(name: str, value: Any) -> Any:
-    """A mapping or a sequence of 2-item sequences as a tuple of (pattern, value) pairs, alphas
-    as floats; anything else is returned as is, for the field's check to refuse."""
-    items = list(value.items()) if isinstance(value, Mapping) else value
-    if not isinstance(items, (list, tuple)) or not all(isinstance(i, (list, tuple)) and len(i) == 2 for i in items):
-        return value
-    as_float = name == "alpha_pattern"
-    return tuple((key, float(number) if as_float and _number(number) else number) for key, number in items)
-
-
-def _first_match(pattern: tuple, module: str, default: Any) -> Any:
-    return next((value for key, value in pattern if module_matches(module, (key,))), default)
-
-
-def _scaling(alpha: float, rank: int, rslora: bool) -> float:
-    return alpha / math.sqrt(rank) if rslora else alpha / rank
-
-
-def _split_names(text: str) -> tuple:
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
-    if not names:
-        raise ValueError(text)
-    return names
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _non_negative_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _pattern_parser(value_type: Callable[[str], Any]) -> Callable[[str], tuple]:
-    """'pattern=value,pattern=value' -> ((pattern, value), ...)."""
-
-    def parse(text: str) -> tuple:
-        pairs = []
-        for entry in _split_names(text):
-            key, equals, value = entry.partition("=")
-            if not equals or not key.strip():
-                raise ValueError(text)
-            pairs.append((key.strip(), value_type(value.strip())))
-        return tuple(pairs)
-
-    return parse
-
-
-def _pattern(value: Any, check_value: Callable[[Any], bool]) -> bool:
-    return isinstance(value, tuple) and all(
-        isinstance(pair, tuple) and len(pair) == 2 and _names((pair[0],), allow_empty=False)
-        and "=" not in pair[0] and check_value(pair[1])
-        for pair in value
-    ) and len({pair[0] for pair in value}) == len(value)
-
-
-def _positive_finite(value: Any) -> bool:
-    return _number(value) and 0 < value < math.inf
-
-
-def _names(value: Any, allow_empty: bool) -> bool:
-    return (
-        isinstance(value, tuple)
-        and (allow_empty or len(value) > 0)
-        and all(isinstance(name, str) and name.strip() and "," not in name for name in value)
-    )
-
-
-_OPTIONAL_NAMES = (
-    "a comma-separated list of module names or glob patterns",
-    lambda text: _split_names(text) if text.strip() else (),
-    lambda v: _names(v, allow_empty=True),
-)
-
-# field -> (requirement sentence, string parser, typed-value check)
-_RULES: dict = {
-    "rank": ("a positive integer", int, _positive_int),
-    "alpha": ("a positive finite number", float, _positive_finite),
-    "dropout": ("a number in [0, 1)", float, lambda v: _number(v) and 0 <= v < 1),
-    "targets": (
-        "a non-empty comma-separated list of module names or glob patterns",
-        _split_names,
-        lambda v: _names(v, allow_empty=False),
-    ),
-    "exclude": _OPTIONAL_NAMES,
-    "init": ("one of " + ", ".join(INIT_CHOICES), str.strip, lambda v: v in INIT_CHOICES),
-    "b_init": ("one of " + ", ".join(B_INIT_CHOICES), str.strip, lambda v: v in B_INIT_CHOICES),
-    "seed": ("a non-negative integer", int, _non_negative_int),
-    "sp_input": ("one of " + ", ".join(SP_INPUT_CHOICES), str.strip, lambda v: v in SP_INPUT_CHOICES),
-    "rslora": ("one of " + ACCEPTED_BOOLEANS, lambda text: parse_bool("rslora", text), lambda v: isinstance(v, bool)),
-    "rank_pattern": (
-        "comma-separated pattern=rank entries (positive integer ranks, each pattern once), "
-        "e.g. 'linear_fc1=8,linear_fc2=8'",
-        _pattern_parser(int),
-        lambda v: _pattern(v, _positive_int),
-    ),
-    "alpha_pattern": (
-        "comma-separated pattern=alpha entries (positive numbers, each pattern once), e.g. 'linear_fc1=16'",
-        _pattern_parser(float),
-        lambda v: _pattern(v, _positive_finite),
-    ),
-    "separate_projections": (
-        "one of " + ACCEPTED_BOOLEANS,
-        lambda text: parse_bool("separate_projections", text),
-        lambda v: isinstance(v, bool),
-    ),
-    "modules_to_save": (
-        "a comma-separated list of modules to train fully, each matching one of " + ", ".join(TRAINABLE_MODULES)
-        + " (a last name such as output_layer or word_embeddings, or a glob)",
-        _OPTIONAL_NAMES[1],
-        lambda v: _names(v, allow_empty=True)
-        and all(any(module_matches(name, (entry,)) for name in TRAINABLE_MODULES) for entry in v),
-    ),
-}
-
-
-def _fail(name: str, raw: Any, label: str) -> LoraConfigError:
-    return LoraConfigError(f"{label} must be {_RULES[name][0]}, got {raw!r}")
-
-
-def _check(name: str, value: Any, label: str) -> None:
-    if not _RULES[name][2](value):
-        raise _fail(name, value, label)
-
-
-def _parse(name: str, raw: str, label: str) -> Any:
-    """Turn the text `raw` into the typed value of field `name`, or fail naming `label`."""
-    parser: Callable[[str], Any] = _RULES[name][1]
-    try:
-        value = parser(raw)
-    except ValueError:
-        raise _fail(name, raw, label) from None
-    if not _RULES[name][2](value):
-        raise _fail(name, raw, label)  # report the text as given, not the parsed value
-    return value
-
-
-def _read_config_file(path: str) -> dict:
-    where = f"{CONFIG_FILE_VARIABLE} ({path})"
-    if not path.endswith((".toml", ".json")):
-        raise LoraConfigError(f"{CONFIG_FILE_VARIABLE} must name a .toml or .json file, got {path!r}")
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read()
-    except OSError as error:
-        raise LoraConfigError(f"{where}: cannot read the file: {error.strerror}") from None
-    try:
-        data = _load_toml(raw) if path.endswith(".toml") else json.loads(raw)
-    except ValueError as error:  # tomllib.TOMLDecodeError and json.JSONDecodeError are ValueErrors
-        kind = "TOML" if path.endswith(".toml") else "JSON"
-        raise LoraConfigError(f"{where}: invalid {kind}: {error}") from None
-    if not isinstance(data, dict):
-        raise LoraConfigError(f"{where}: the top level must be a table of settings, got {type(data).__name__}")
-    values = {}
-    for key, value in data.items():
-        if key not in _RULES:
-            close = difflib.get_close_matches(str(key), list(_RULES), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise LoraConfigError(f"{where}: unknown key {key!r}{hint}; accepted keys: {', '.join(_RULES)}")
-        label = f"{key} in {path}"
-        if isinstance(value, str):
-            values[key] = _parse(key, value, label)
-        else:
-            typed = tuple(value) if isinstance(value, list) else value
-            typed = _as_pairs(key, value) if key in PATTERN_FIELDS else typed
-            typed = float(typed) if key in ("alpha", "dropout") and _number(typed) else typed
-            if not _RULES[key][2](typed):
-                raise _fail(key, value, label)  # the value as written in the file
-            values[key] = typed
-    return values
-
-
-def _load_toml(raw: bytes) -> Any:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10 has no TOML reader in the standard library
-        raise LoraConfigError(f"{CONFIG_FILE_VARIABLE}: TOML needs Python 3.11+; use a .json file") from None
-    return tomllib.loads(raw.decode("utf-8"))
+    return {name: f"LoraConfig.{name}" for name in RULES}

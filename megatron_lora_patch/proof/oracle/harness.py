@@ -23,20 +23,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import re
 import time
 from typing import Dict, List, Optional, Sequence
 
 from megatron_lora_patch.layout_invariant.tree import LANES
 from megatron_lora_patch.proof.oracle import canonical
 from megatron_lora_patch.proof.oracle import thresholds as limits
-from megatron_lora_patch.proof.oracle.metrics import PhaseMetrics, compare_scalars, compare_tensors
 from megatron_lora_patch.proof.oracle.mutations import MUTATIONS, Mutation
+from megatron_lora_patch.proof.oracle.phases import STEP_KEY, adapter_shapes, canonical_phases, compare, routing_maps
 from megatron_lora_patch.proof.oracle.report import MutationResult, OracleReport, TopologyResult
 from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings
 from megatron_lora_patch.proof.testbed.launcher import WorldError
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec, check_topology_fits
-from megatron_lora_patch.proof.testbed.runner import Job, canonical_result, run_jobs
+from megatron_lora_patch.proof.testbed.runner import Job, run_jobs
 from megatron_lora_patch.proof.testbed.topology import Topology
 from megatron_lora_patch.runtime.errors import UsageError
 from megatron_lora_patch.runtime.patching import Patcher
@@ -48,7 +47,6 @@ MOE = TinyGPTSpec.moe(num_attention_heads=8, num_query_groups=4, num_layers=2)
 #: A `HybridModel` (Megatron-Core 0.18+) alternating attention and MLP layers, the dense widths.
 HYBRID = TinyGPTSpec.hybrid("*-*-", num_attention_heads=8, num_query_groups=4)
 REFERENCE = "tp1"
-_STEP = re.compile(r"^step(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,66 +177,6 @@ def _on_step_end(seq_length: int, micro_batch_size: int, step: int, record: dict
         record["extra"]["layout"] = canonical.rank_layout(model, seq_length, micro_batch_size)
 
 
-def routing_maps(records: List[dict]) -> Dict[str, "object"]:
-    """Every MoE routing decision of every step, in world-1 layout (empty for dense models)."""
-    return {
-        f"step{step}/{key}": routing
-        for step in range(len(records[0]["steps"]))
-        for key, routing in canonical.forward_outputs(records, step, canonical.ROUTING).items()
-    }
-
-
-def canonical_phases(records: List[dict], spec: TinyGPTSpec, shapes: Dict[str, tuple]) -> dict:
-    """Everything one run is compared on, in world-1 layout, keyed per phase."""
-    result = canonical_result(records, spec, shapes)
-    phases = {"forward": canonical.forward_outputs(records), "loss": {}, "grads": {}, "grad_norm": {}}
-    for step, entry in enumerate(result["steps"]):
-        for index, microbatch in enumerate(entry["microbatches"]):
-            for key, value in microbatch.items():
-                phases["loss"][f"step{step}.mb{index}.{key}"] = value
-        phases["loss"][f"step{step}.lm_loss"] = entry["lm_loss"]
-        phases["grad_norm"][f"step{step}"] = entry["grad_norm"]
-        for name, grad in entry["grads"].items():
-            phases["grads"][f"step{step}/{name}"] = grad
-    final = result["steps"][-1]["params"]
-    phases["deltas"] = {name: final[name] - result["initial_params"][name] for name in final}
-    return phases
-
-
-def adapter_shapes(reference_records: List[dict]) -> Dict[str, tuple]:
-    """Logical shapes of every captured parameter, read off the world-1 run (its tensors are whole)."""
-    (record,) = reference_records
-    return {record["shards"][name].logical_name: tuple(tensor.shape) for name, tensor in record["initial_params"].items()}
-
-
-def compare(candidate: dict, reference: dict, settings: OracleSettings) -> Dict[str, PhaseMetrics]:
-    """Per phase, the metrics of its worst optimizer step (largest error over that step's threshold).
-
-    Each key belongs to a step (`step<j>...`; forward outputs: step 0; deltas: the last step) and
-    is judged against that step's threshold; steps whose threshold is None are not compared, and
-    a phase with no compared step is left out. A key missing on either side is an error."""
-    metrics = {}
-    for phase, expected in reference.items():
-        if set(candidate[phase]) != set(expected):
-            raise ValueError(
-                f"{phase}: tensor sets differ from the reference: missing {sorted(set(expected) - set(candidate[phase]))}, "
-                f"extra {sorted(set(candidate[phase]) - set(expected))}"
-            )
-        by_step: Dict[int, list] = {}
-        for key in expected:
-            step = settings.steps - 1 if phase == "deltas" else int(_STEP.match(key).group(1)) if _STEP.match(key) else 0
-            by_step.setdefault(step, []).append(key)
-        measure = compare_scalars if phase in ("loss", "grad_norm") else compare_tensors
-        judged = [
-            measure({key: candidate[phase][key] for key in keys}, {key: expected[key] for key in keys}, limit)
-            for step, keys in sorted(by_step.items())
-            if (limit := settings.threshold(phase, step)) is not None
-        ]
-        if judged:
-            metrics[phase] = max(judged, key=lambda m: (m.ratio != m.ratio, m.ratio))  # NaN first
-    return metrics
-
-
 def mutations_named(names: Sequence[str]) -> List[Mutation]:
     unknown = [name for name in names if name not in MUTATIONS]
     if unknown:
@@ -314,7 +252,7 @@ def _judge(job: Job, records, error: Optional[str], expected: tuple, settings: O
 
 def _compared_steps(routing: dict, settings: OracleSettings) -> dict:
     """The routing decisions of the steps whose grads are compared (bf16: step 0 only)."""
-    return {key: value for key, value in routing.items() if settings.threshold("grads", int(_STEP.match(key).group(1))) is not None}
+    return {key: value for key, value in routing.items() if settings.threshold("grads", int(STEP_KEY.match(key).group(1))) is not None}
 
 
 def model_name(spec: TinyGPTSpec) -> str:

@@ -266,7 +266,7 @@ def _run(plan: Plan, topology, mutation):
 
 def _compare(plan: Plan, records, reference):
     from megatron_lora_patch.proof.oracle import canonical
-    from megatron_lora_patch.proof.oracle.harness import adapter_shapes, canonical_phases, compare, routing_maps
+    from megatron_lora_patch.proof.oracle.phases import adapter_shapes, canonical_phases, compare, routing_maps
 
     try:
         shapes = adapter_shapes(reference)
