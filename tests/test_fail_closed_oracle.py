@@ -110,6 +110,18 @@ def test_bad_oracle_input_is_one_line_before_any_world(case):
     assert result.stdout == ""  # no table, no verdict: nothing ran
 
 
+def test_misspelled_megatron_plugins_is_one_line_before_any_world():
+    """The ranks inherit MEGATRON_PLUGINS and their start-up hook would stop them with a rank traceback
+    each: the oracle checks it first (as the preflight does). Control: a valid value passes that check."""
+    result = run_fresh(ORACLE + ["--topologies", "tp2"], MEGATRON_PLUGINS="lora_corect")
+    message = "MEGATRON_PLUGINS names unknown plugin 'lora_corect'; did you mean 'lora_correct'?"
+    assert_one_line_error(result, message, returncode=2)
+    assert result.stdout == ""
+    result = run_fresh(ORACLE + ["--topologies", "tp1"], MEGATRON_PLUGINS="lora_correct,cpu_testbed")
+    message = "--topologies: 'tp1' is the world-1 reference itself; list topologies of 2 or more ranks"
+    assert_one_line_error(result, message, returncode=2)
+
+
 def test_plot_without_matplotlib_names_the_extra(tmp_path):
     shadow = tmp_path / "matplotlib"
     shadow.mkdir()
