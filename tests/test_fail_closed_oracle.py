@@ -227,3 +227,23 @@ def test_rank_warnings_are_filtered_unless_asked_for(capfd):
     assert run_world(warning_rank, 1, warnings="default") == [0]
     loud = capfd.readouterr().err
     assert "UserWarning: megatron-style start-up noise" in loud and "GPTModel-style deprecation notice" in loud
+
+
+def cuda_notice_rank(rank: int, world_size: int) -> int:
+    """What torch logs when Megatron imports torch.utils.cpp_extension on a CPU machine with a CUDA_HOME."""
+    import logging
+
+    import torch.utils.cpp_extension  # noqa: F401
+
+    logging.getLogger("torch.utils.cpp_extension").warning("No CUDA runtime is found, using CUDA_HOME='/usr/local'")
+    return rank
+
+
+def test_no_cuda_runtime_notice_is_filtered_in_every_rank_unless_asked_for(capfd):
+    """Importing torch resets the "torch" logger's level: the rank filters its notices after that import."""
+    from megatron_lora_patch.proof.testbed.launcher import run_world
+
+    assert run_world(cuda_notice_rank, 2, warnings="ignore") == [0, 1]
+    assert "No CUDA runtime is found" not in capfd.readouterr().err
+    assert run_world(cuda_notice_rank, 1, warnings="default") == [0]
+    assert "No CUDA runtime is found" in capfd.readouterr().err
