@@ -63,6 +63,45 @@ def test_bad_flag_at_start_up_stops_the_import(installed_python):
     assert result.stdout == ""
 
 
+LORA_OFF = (
+    "MEGATRON_LORA_RANK is set but MEGATRON_PLUGINS is not, so no LoRA is applied and training updates every weight; "
+    "set MEGATRON_PLUGINS=lora_correct (or call megatron_lora_patch.apply() in code)"
+)
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"MEGATRON_LORA_RANK": "8"}, [LORA_OFF]),
+        ({"MEGATRON_PLUGIN": "lora_correct"},
+         ["MEGATRON_PLUGIN is not a variable megatron-lora-patch reads; did you mean MEGATRON_PLUGINS?"]),
+        ({"megatron_lora_rank": "8"},
+         ["megatron_lora_rank is not read (variable names are case-sensitive); rename it MEGATRON_LORA_RANK"]),
+        ({"megatron_lora_rank": "8", "MEGATRON_PLUGINS": "demo"},
+         ["megatron_lora_rank is not read (variable names are case-sensitive); rename it MEGATRON_LORA_RANK"]),
+    ],
+)
+def test_lora_meant_but_not_read_warns_once_at_import_megatron(installed_python, env, expected):
+    """A forgotten or misspelled variable would turn a LoRA job into full fine-tuning without a word: the
+    start-up hook names it and the fix, at `import megatron` only (a plain `python -c pass` stays silent)."""
+    from megatron_lora_patch.runtime.bootstrap import WARNING
+
+    result = run_python(installed_python, "import megatron; print('ok')", **env)
+    assert (result.returncode, result.stdout) == (0, "ok\n"), result.stderr
+    assert result.stderr.splitlines() == [WARNING + line for line in expected]
+    quiet = run_python(installed_python, "print('ok')", **env)
+    assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "ok\n", "")
+
+
+def test_lora_variables_without_plugins_are_quiet_when_used_from_code(installed_python):
+    """Negative controls: `apply()` / the CLI configure LoRA in code, so MEGATRON_LORA_* without
+    MEGATRON_PLUGINS is no mistake there; and without any MEGATRON_* variable no module is imported."""
+    code = "import megatron_lora_patch.runtime.registry, megatron; print('ok')"
+    result = run_python(installed_python, code, MEGATRON_LORA_RANK="8")
+    assert (result.returncode, result.stdout, result.stderr) == (0, "ok\n", "")
+    assert loaded_modules(installed_python, MEGATRON_LORA_RANK="") == []
+
+
 def test_no_site_start_up_is_unaffected(installed_python):
     result = run_python(installed_python, "print('ok')", args=("-S",), MEGATRON_PLUGINS="demo")
     assert (result.returncode, result.stdout.strip()) == (0, "ok")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 
 import persistence_worker as worker
 import pytest
@@ -129,6 +130,62 @@ def test_out_overlapping_the_checkpoint_is_refused_even_with_force(saved, where)
     )
     assert_one_line_error(export(checkpoint, out, "--force"), message, 2)
     assert tree(checkpoint) == before
+
+
+def test_out_equal_to_the_checkpoint_says_they_overlap_not_pass_force(saved):
+    """Without --force the answer must not be "pass --force" (which the overlap check then refuses anyway)."""
+    checkpoint = saved["adapters"]
+    message = (
+        f"--out {checkpoint} overlaps --checkpoint {checkpoint}; write the PEFT adapter to a directory outside "
+        "the checkpoint"
+    )
+    assert_one_line_error(export(checkpoint, checkpoint), message, 2)
+
+
+def _damaged_copy(saved, tmp_path, damage) -> pathlib.Path:
+    """A copy of the adapter checkpoint with its one tensor file passed through `damage(bytes) -> bytes`."""
+    copy = tmp_path / "damaged"
+    shutil.copytree(saved["adapters"], copy)
+    (tensor_file,) = copy.glob("*.distcp")
+    tensor_file.write_bytes(damage(tensor_file.read_bytes()))
+    return copy
+
+
+def test_truncated_tensor_file_is_one_line(saved, tmp_path):
+    damaged = _damaged_copy(saved, tmp_path, lambda data: data[: len(data) // 2])
+    message = (
+        f"{damaged} has an unreadable tensor file (RuntimeError: PytorchStreamReader failed reading zip archive: "
+        "failed finding central directory): it is truncated or damaged; copy the checkpoint again from where "
+        "it was saved"
+    )
+    assert_one_line_error(export(damaged, tmp_path / "out"), message, 2)
+    assert not (tmp_path / "out").exists() and no_staging_left(tmp_path)
+
+
+def test_zero_filled_tensor_file_is_one_line(saved, tmp_path):
+    damaged = _damaged_copy(saved, tmp_path, lambda data: bytes(len(data)))
+    message = (
+        f"--checkpoint {damaged} is an unreadable distributed checkpoint (UnpicklingError: invalid load key, "
+        "'\\x00'.); save or copy it again"
+    )
+    assert_one_line_error(export(damaged, tmp_path / "out"), message, 2)
+
+
+def test_checkpoint_without_its_common_state_names_common_pt(tmp_path):
+    """A torch_dist checkpoint whose common state is gone (an older Megatron-Core's common.pt not copied):
+    was "'str' object has no attribute 'iterdir'" (< 0.19) or a rank traceback (0.19)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    checkpoint = tmp_path / "iter_0000002"
+    dcp.save({"decoder.layers.self_attention.linear_qkv.lora.A": torch.zeros(2, 4)}, checkpoint_id=checkpoint,
+             no_dist=True)
+    (checkpoint / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    message = (
+        f"--checkpoint {checkpoint} has no common state: common.pt is missing (the checkpoint was copied or "
+        "written incompletely); copy common.pt from where the checkpoint was saved"
+    )
+    assert_one_line_error(export(checkpoint, tmp_path / "out"), message, 2)
 
 
 def test_missing_out_is_an_argparse_usage_error(saved):

@@ -115,6 +115,18 @@ def test_bad_oracle_input_is_one_line_before_any_world(case):
     assert result.stdout == ""  # no table, no verdict: nothing ran
 
 
+def test_misspelled_megatron_plugins_is_one_line_before_any_world():
+    """The ranks inherit MEGATRON_PLUGINS and their start-up hook would stop them with a rank traceback
+    each: the oracle checks it first (as the preflight does). Control: a valid value passes that check."""
+    result = run_fresh(ORACLE + ["--topologies", "tp2"], MEGATRON_PLUGINS="lora_corect")
+    message = "MEGATRON_PLUGINS names unknown plugin 'lora_corect'; did you mean 'lora_correct'?"
+    assert_one_line_error(result, message, returncode=2)
+    assert result.stdout == ""
+    result = run_fresh(ORACLE + ["--topologies", "tp1"], MEGATRON_PLUGINS="lora_correct,cpu_testbed")
+    message = "--topologies: 'tp1' is the world-1 reference itself; list topologies of 2 or more ranks"
+    assert_one_line_error(result, message, returncode=2)
+
+
 def test_plot_without_matplotlib_names_the_extra(tmp_path):
     shadow = tmp_path / "matplotlib"
     shadow.mkdir()
@@ -220,3 +232,23 @@ def test_rank_warnings_are_filtered_unless_asked_for(capfd):
     assert run_world(warning_rank, 1, warnings="default") == [0]
     loud = capfd.readouterr().err
     assert "UserWarning: megatron-style start-up noise" in loud and "GPTModel-style deprecation notice" in loud
+
+
+def cuda_notice_rank(rank: int, world_size: int) -> int:
+    """What torch logs when Megatron imports torch.utils.cpp_extension on a CPU machine with a CUDA_HOME."""
+    import logging
+
+    import torch.utils.cpp_extension  # noqa: F401
+
+    logging.getLogger("torch.utils.cpp_extension").warning("No CUDA runtime is found, using CUDA_HOME='/usr/local'")
+    return rank
+
+
+def test_no_cuda_runtime_notice_is_filtered_in_every_rank_unless_asked_for(capfd):
+    """Importing torch resets the "torch" logger's level: the rank filters its notices after that import."""
+    from megatron_lora_patch.proof.testbed.launcher import run_world
+
+    assert run_world(cuda_notice_rank, 2, warnings="ignore") == [0, 1]
+    assert "No CUDA runtime is found" not in capfd.readouterr().err
+    assert run_world(cuda_notice_rank, 1, warnings="default") == [0]
+    assert "No CUDA runtime is found" in capfd.readouterr().err

@@ -155,9 +155,28 @@ def test_empty_means_unset_and_the_patches_apply():
 
 
 def test_without_megatron_plugins_nothing_is_read(tmp_path):
+    """Nothing is validated or patched; the start-up hook only warns that LoRA is off (docs/fail-closed.md)."""
+    from megatron_lora_patch.runtime.bootstrap import WARNING
+
     checkout = fake_megatron(tmp_path, "0.16.1")
     result = run_fresh(IMPORT, MEGATRON_LORA_STRICT="maybe", MEGATRON_LORA_XYZZY="1", PYTHONPATH=checkout)
-    assert (result.returncode, result.stdout, result.stderr) == (0, "imported\n", "")
+    warning = (
+        f"{WARNING}MEGATRON_LORA_STRICT is set but MEGATRON_PLUGINS is not, so no LoRA is applied and training "
+        "updates every weight; set MEGATRON_PLUGINS=lora_correct (or call megatron_lora_patch.apply() in code)\n"
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (0, "imported\n", warning)
+
+
+@pytest.mark.parametrize("environ", [{}, {"MEGATRON_PLUGINS": "lora_correct"}])
+def test_status_with_an_empty_plugins_option_is_one_line_exit_2(environ):
+    """`--plugins ''` previews nothing: it must not be answered as if MEGATRON_PLUGINS were unset."""
+    result = run_fresh([*STATUS, "--plugins", ""], **environ)
+    message = (
+        "--plugins '' names no plugin; give a comma list such as --plugins lora_correct, "
+        "or leave --plugins out to show what MEGATRON_PLUGINS selects"
+    )
+    assert_one_line_error(result, message, returncode=2)
+    assert result.stdout == ""
 
 
 # -- a patch that cannot be delivered: stop when its target is imported -------------------------------

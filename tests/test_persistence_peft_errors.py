@@ -28,9 +28,12 @@ K_B = "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"
 UP_A = "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"
 
 
-def _logical():
+def _logical(rank: int = 4):
     generator = torch.Generator().manual_seed(3)
-    return {name: (torch.randn(a, generator=generator), torch.randn(b, generator=generator)) for name, (a, b) in SHAPES.items()}
+    return {
+        name: (torch.randn((rank, a[1]), generator=generator), torch.randn((b[0], rank), generator=generator))
+        for name, (a, b) in SHAPES.items()
+    }
 
 
 def _valid():
@@ -93,8 +96,10 @@ def test_unsupported_module_is_refused():
 
 
 def test_other_rank_alpha_and_variants_are_refused():
+    """A true rank-8 adapter for the rank-4 model: the advice to build the model at rank 8 is right."""
+    tensors, config = peft.to_peft(_logical(rank=8), {**DESCRIPTION, "rank": 8, "alpha": 16.0})
+    _refused(tensors, config, "r=8", "rank 4", "MEGATRON_LORA_RANK=8")
     tensors, config = _valid()
-    _refused(tensors, {**config, "r": 8}, "r=8", "rank 4", "MEGATRON_LORA_RANK=8")
     _refused(tensors, {**config, "lora_alpha": 16}, "lora_alpha=16")
     _refused(tensors, {**config, "use_dora": True}, "use_dora")
     _refused(tensors, {**config, "peft_type": "IA3"}, "IA3")
@@ -112,3 +117,50 @@ def test_partial_layers_are_listed_by_full_path():
     two_layers = {**DESCRIPTION, "num_layers": 2}
     _, config = peft.to_peft(_logical(), two_layers)
     assert "model.layers.0.self_attn.q_proj" in config["target_modules"]
+
+
+def test_config_rank_that_is_not_the_tensors_rank_names_that_mismatch():
+    """adapter_config.json says r=2, the tensors are rank 4 (as the model): advising MEGATRON_LORA_RANK=2
+    would lead to a second error on the shapes; the message names the config/tensor mismatch instead."""
+    tensors, config = _valid()
+    with pytest.raises(PeftFormatError) as caught:
+        _import(tensors, {**config, "r": 2})
+    assert str(caught.value) == (
+        "adapter: adapter_config.json gives model.layers.0.self_attn.q_proj r=2 but its lora_A has rank 4 "
+        "(shape (4, 64)); the config does not describe its tensors: correct r there or export the adapter again"
+    )
+    pattern = {**config, "rank_pattern": {"down_proj": 8}}
+    with pytest.raises(PeftFormatError, match=r"gives model\.layers\.0\.mlp\.down_proj r=8 but its lora_A has rank 4 "
+                       r"\(shape \(4, 128\)\); the config does not describe its tensors: correct rank_pattern there"):
+        _import(tensors, pattern)
+
+
+@pytest.mark.parametrize("damage", ["zero-filled", "truncated"])
+def test_unreadable_safetensors_is_one_line_exit_1_in_a_rank(tmp_path, damage):
+    """A corrupt adapter_model.safetensors read by import_peft in a training process (its excepthook prints a
+    UsageError as one line, exit 1) instead of safetensors' traceback."""
+    import subprocess
+    import sys
+
+    from conftest import assert_one_line_error, clean_environ
+
+    from megatron_lora_patch.lora.exchange import files
+
+    files.write(str(tmp_path), *_valid())
+    weights = tmp_path / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(bytes(len(data)) if damage == "zero-filled" else data[: len(data) // 2])
+    code = (
+        "from megatron_lora_patch.runtime.errors import install_excepthook; install_excepthook()\n"
+        f"from megatron_lora_patch.lora.exchange import files; files.read({str(tmp_path)!r})"
+    )
+    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=clean_environ())
+    cause = {
+        "zero-filled": "invalid JSON in header: EOF while parsing a value at line 1 column 0",
+        "truncated": "incomplete metadata, file not fully covered",
+    }[damage]
+    message = (
+        f"{weights} is not a readable safetensors file (Error while deserializing header: {cause}); "
+        "export or copy the adapter again"
+    )
+    assert_one_line_error(result, message)

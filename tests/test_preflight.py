@@ -30,6 +30,7 @@ from preflight_cases import (  # noqa: E402
     cli,
     options,
     preflight_environ,
+    user_environ,  # noqa: F401 (fixture)
 )
 
 from megatron_lora_patch.proof.oracle import preflight
@@ -100,6 +101,15 @@ def test_moe_tp2_etp2_sp_passes_and_a_skipped_expert_sum_names_the_moe_layer(use
         ([*DENSE, *TP2_SP, "--fp16"], {},
          "preflight does not support fp16 loss scaling (compare in --bf16 or fp32) yet: drop --fp16 for the preflight"),
         ([], {}, "preflight needs your pretrain_gpt.py arguments after --, e.g. preflight -- --num-layers 32 ..."),
+        ([*DENSE, "--tensor-model-parallel-size", "2", "--sequence-paralel"], {},
+         "Megatron-LM rejects the arguments: pretrain_gpt.py: error: unrecognized arguments: --sequence-paralel; "
+         "did you mean --sequence-parallel?"),
+        ([*DENSE, *TP2_SP, "--my-own-flag", "1"], {},
+         "Megatron-LM rejects the arguments: pretrain_gpt.py: error: unrecognized arguments: --my-own-flag 1; "
+         "leave out the arguments your own script adds"),
+        ([*MOE, *TP2_SP, "--expert-tensor-parallel-size", "2", "--moe-ffn-hidden-size", "65"], {},
+         "Megatron-Core rejects this model: --moe-ffn-hidden-size 65 is not divisible by "
+         "--expert-tensor-parallel-size 2 (its linears are split over those ranks); choose sizes that divide"),
     ],
 )
 def test_bad_input_is_one_usage_error(user_environ, arguments, overrides, message):
@@ -119,6 +129,26 @@ def test_too_large_for_this_machine_says_so_and_offers_fewer_layers(user_environ
         preflight.make_plan(options([*MOE, "--expert-model-parallel-size", "2"], layers=4, max_memory_gib=between / 2**30))
     with pytest.raises(UsageError, match="even the fewest layers do not fit at these widths"):
         preflight.make_plan(options([*MOE, "--expert-model-parallel-size", "2"], max_memory_gib=1e-6))
+
+
+def test_ffn_that_tp_does_not_divide_is_one_line_exit_2_before_any_rank(tmp_path):
+    """Megatron asserts `800 is not divisible by 3` only when each rank builds the layer (was a numerical FAIL,
+    exit 1); the preflight says so before any rank starts. Control: the same model at TP 2 plans fine."""
+    arguments = [*DENSE, "--ffn-hidden-size", "131", *TP2_SP]
+    result = cli("--", *arguments, tmp_path=tmp_path)
+    message = (
+        "Megatron-Core rejects this model: --ffn-hidden-size 131 is not divisible by --tensor-model-parallel-size 2 "
+        "(its linears are split over those ranks); choose sizes that divide"
+    )
+    assert_one_line_error(result, message, returncode=2)
+    assert result.stdout == ""
+
+
+def test_summary_echoes_the_lora_settings_tested(user_environ, monkeypatch):
+    monkeypatch.setenv("MEGATRON_LORA_RANK", "8")
+    monkeypatch.setenv("MEGATRON_LORA_TARGETS", "linear_qkv,linear_fc2")
+    summary = preflight.make_plan(options([*DENSE, *TP2_SP])).summary().splitlines()
+    assert "  LoRA (from your environment): rank 8, alpha 32, targets linear_qkv,linear_fc2" in summary
 
 
 def test_bad_lora_environment_is_one_line_exit_2(tmp_path):

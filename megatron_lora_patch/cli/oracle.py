@@ -104,7 +104,10 @@ def check_arguments(args: argparse.Namespace) -> tuple:
     from megatron_lora_patch.proof.oracle.harness import OracleError, OracleSettings, check_topology, mutations_named
     from megatron_lora_patch.proof.oracle.mutations import MUTATIONS
     from megatron_lora_patch.proof.testbed.topology import Topology
+    from megatron_lora_patch.runtime import flags, registry
 
+    if flags.requested_plugins():  # every rank's start-up hook activates them: a mistake is one line here, not
+        registry.get_runtime().apply()  # a rank traceback (as the preflight's own `import megatron` does)
     settings = OracleSettings(
         steps=_integer("--steps", args.steps, 1, MAX_STEPS),
         dtype=args.dtype,

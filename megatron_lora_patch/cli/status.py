@@ -32,6 +32,11 @@ def run_status(args: argparse.Namespace) -> int:
 
     env_plugins = flags.requested_plugins()
     plugins = flags.parse_names(args.plugins) if args.plugins is not None else env_plugins
+    if args.plugins is not None and not plugins:  # an empty --plugins is no preview of the (perhaps set) variable
+        raise errors.UsageError(
+            f"--plugins {args.plugins!r} names no plugin; give a comma list such as --plugins lora_correct, "
+            f"or leave --plugins out to show what {flags.PLUGINS_VARIABLE} selects"
+        )
     installed = sorted(registry.installed_plugins())
     hook = _bootstrap.startup_hook()
     if not plugins:

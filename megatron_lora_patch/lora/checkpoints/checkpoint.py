@@ -29,6 +29,7 @@ import os
 from typing import Any, Dict, Iterable, Optional
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
 from megatron_lora_patch.lora.adapters.metadata import ADAPTER_NAME
@@ -235,6 +236,35 @@ def save_adapters(chunks: Iterable[torch.nn.Module], directory: str, overwrite: 
     _barrier()
 
 
+def read_error(error: BaseException) -> str:
+    """The cause of a failed checkpoint read in one line: the first rank's error of torch's
+    CheckpointException (its text is every rank's traceback), else the error itself; its first sentence."""
+    failures = getattr(error, "failures", None) or {}
+    cause = next(iter(failures.values()), (error,))[0]
+    text = (str(cause).strip().splitlines() or [""])[0].split(". ")[0]
+    return f"{type(cause).__name__}: {text}".removesuffix(": ")
+
+
+def _unreadable(label: str, directory: str, error: BaseException) -> str:
+    """Why `directory`'s common state (the description) cannot be read; a missing legacy `common.pt` by name
+    (Megatron-Core < 0.19 keeps the common state there; its own error for that names no file)."""
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+
+    if not os.path.exists(os.path.join(directory, COMMON_STATE_FNAME)) and _legacy_format(error):
+        return (
+            f"{label} {directory} has no common state: {COMMON_STATE_FNAME} is missing (the checkpoint was copied "
+            f"or written incompletely); copy {COMMON_STATE_FNAME} from where the checkpoint was saved"
+        )
+    return f"{label} {directory} is an unreadable distributed checkpoint ({read_error(error)}); save or copy it again"
+
+
+def _legacy_format(error: BaseException) -> bool:
+    """The read failed for lack of the common state: no `common.pt` (Megatron-Core < 0.19), or no
+    `common_state` object in the tensor files (0.19 reads those when `common.pt` is absent)."""
+    text = read_error(error)
+    return "iterdir" in text or "FileNotFoundError" in text or "common_state" in text
+
+
 def read_description(directory: str, label: str = "adapter checkpoint") -> Dict[str, Any]:
     """The description saved by `save_adapters`, or a one-line `AdapterCheckpointError` saying what `directory` is."""
     from megatron.core import dist_checkpointing
@@ -254,7 +284,9 @@ def read_description(directory: str, label: str = "adapter checkpoint") -> Dict[
     try:
         common = dist_checkpointing.load_common_state_dict(directory)
     except Exception as error:  # a damaged common state fails in several ways
-        raise AdapterCheckpointError(f"{label} {directory} is an unreadable distributed checkpoint: {error}") from None
+        raise AdapterCheckpointError(_unreadable(label, directory, error)) from None
+    except CheckpointException as error:  # a BaseException: torch's reader wraps each rank's error in it
+        raise AdapterCheckpointError(_unreadable(label, directory, error)) from None
     description = common.get(DESCRIPTION_KEY) if isinstance(common, dict) else None
     if not isinstance(description, dict) or description.get("format") != DESCRIPTION_FORMAT:
         raise AdapterCheckpointError(

@@ -19,6 +19,7 @@ import os
 from typing import Dict, Iterator, Tuple
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lora_patch.lora.checkpoints import checkpoint
 from megatron_lora_patch.lora.layers import trained_fully
@@ -112,5 +113,11 @@ def adapter_tensors(directory: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
         missing = sorted(set(trained_keys) - set(wanted))
         if missing:
             raise CheckpointSourceError(f"{path} lacks the fully trained weight {missing[0]} its description lists")
-        loaded = dist_checkpointing.load(wanted, path, validate_access_integrity=False)
+        try:
+            loaded = dist_checkpointing.load(wanted, path, validate_access_integrity=False)
+        except (CheckpointException, OSError, EOFError) as error:  # a truncated or damaged .distcp file
+            raise CheckpointSourceError(
+                f"{path} has an unreadable tensor file ({checkpoint.read_error(error)}): it is truncated or "
+                "damaged; copy the checkpoint again from where it was saved"
+            ) from None
     return description, {key: loaded[key] for key in wanted}

@@ -45,6 +45,21 @@ def peft_pattern_value(pattern: Dict[str, Any], path: str, default: Any) -> Any:
     return default if key is None else pattern[key]
 
 
+def check_declared_rank(config: dict, path: str, lora_a: Any, where: str, experts: int = 1) -> None:
+    """The r the adapter's config gives `path` (`r` or its `rank_pattern`) is the rank of its lora_A (`experts`
+    ranks packed in it). Checked before the model's rank: otherwise a config that lies about its tensors is
+    answered with advice to build the model at the config's r, which the shapes then refuse."""
+    declared = peft_pattern_value(config.get("rank_pattern") or {}, path, config["r"])
+    rows = lora_a.shape[0] if lora_a.dim() == 2 else None  # another shape: the shape checks name it
+    if rows is not None and rows % experts == 0 and rows != experts * declared:
+        field = "rank_pattern" if config.get("rank_pattern") and declared != config["r"] else "r"
+        raise PeftFormatError(
+            f"{where}: adapter_config.json gives {path} r={declared} but its lora_A has rank {rows // experts} "
+            f"(shape {tuple(lora_a.shape)}); the config does not describe its tensors: correct {field} there "
+            "or export the adapter again"
+        )
+
+
 def check_scaling(config: dict, description: dict, name: str, paths: List[str], where: str) -> None:
     """The PEFT r and alpha of `paths` (the projections of Megatron `name`) are the model's for `name`."""
     ranks = [peft_pattern_value(config.get("rank_pattern") or {}, path, config["r"]) for path in paths]

@@ -164,10 +164,11 @@ def from_peft(
             if key not in tensors:
                 raise peft.PeftFormatError(f"{where}: missing {key} (needed for Megatron {experts[0]} and the other experts)")
         read.update(keys)
+        lora_a, lora_b = (tensors[key] for key in keys)
+        checks.check_declared_rank(config, path, lora_a, where, num_experts)
         for name in experts:
             checks.check_scaling(config, description, name, [path], where)
         rank = LoraConfig.from_description(description).rank_for(experts[0])
-        lora_a, lora_b = (tensors[key] for key in keys)
         packed = num_experts * rank
         if lora_a.dim() != 2 or lora_b.dim() != 2 or lora_a.shape[0] != packed or lora_b.shape[1] != packed:
             raise peft.PeftFormatError(

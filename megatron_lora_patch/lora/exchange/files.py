@@ -44,8 +44,6 @@ def read(peft_dir: str) -> Tuple[Dict[str, torch.Tensor], dict, str]:
     The family comes from `megatron_lora_patch.json`, else from the key older exports embedded
     in the config, else it is "llama" (an adapter written by peft itself).
     """
-    from safetensors.torch import load_file
-
     weights, config_path = os.path.join(peft_dir, WEIGHTS_NAME), os.path.join(peft_dir, CONFIG_NAME)
     for path in (weights, config_path):
         if not os.path.isfile(path):
@@ -57,4 +55,17 @@ def read(peft_dir: str) -> Tuple[Dict[str, torch.Tensor], dict, str]:
     else:
         metadata = config.get(LEGACY_METADATA_KEY) if isinstance(config, dict) else None
     family = metadata.get("family", "llama") if isinstance(metadata, dict) else "llama"
-    return load_file(weights), config, family
+    return _load_weights(weights), config, family
+
+
+def _load_weights(path: str) -> Dict[str, torch.Tensor]:
+    """The tensors of `path`; a corrupt, truncated or zero-filled file is one `PeftFormatError` line."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except SafetensorError as error:
+        raise PeftFormatError(
+            f"{path} is not a readable safetensors file ({error}); export or copy the adapter again"
+        ) from None

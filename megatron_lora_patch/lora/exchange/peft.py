@@ -220,6 +220,8 @@ def _dense_from_peft(tensors: Dict[str, torch.Tensor], config: dict, description
             if key not in tensors:
                 raise PeftFormatError(f"{where}: missing {key} (needed for Megatron {name})")
             parts.append(tensors[key])
+    for path, lora_a in zip(paths, a_parts):
+        checks.check_declared_rank(config, path, lora_a, where)
     checks.check_scaling(config, description, name, paths, where)
     separate = description.get("separate_projections") and len(paths) > 1
     for path, a in zip(paths[1:], a_parts[1:]):

@@ -85,8 +85,8 @@ def export_peft(
     """
     names_for(family, names.family)
     checkpoint.read_description(checkpoint_source.resolve_save_dir(checkpoint_dir), names.checkpoint)
+    _check_apart(checkpoint_dir, out_dir, names)  # first: "pass --force" would destroy the checkpoint
     staging.check_target(out_dir, names.out, names.overwrite, overwrite)
-    _check_apart(checkpoint_dir, out_dir, names)
     with staging.staged(out_dir, names.out) as partial:
         description, logical, full = logical_from_checkpoint(checkpoint_dir)
         tensors, config = peft.to_peft(logical, description, family, full)

@@ -80,15 +80,26 @@ class Plan:
             lines.append(f"  hybrid layer pattern: {spec.hybrid_pattern!r} of your {spec.args.hybrid_layer_pattern!r}")
         lines.append(f"  data: {'the first tokens of ' + self.data_path if self.data_path else 'mock'}")
         lines.append("  patches (from your environment): " + ", ".join(name for name, on in self.patches.items() if on))
+        lines.append(f"  LoRA (from your environment): {lora_settings(self.lora)}")
         lines += [f"  changed: {item['setting']} {item['yours']} -> {item['preflight']}" for item in described["changed"]]
         if self.mutation:
             lines.append(f"  mutation: {self.mutation.name} ({self.mutation.bug})")
         return "\n".join(lines)
 
 
+def lora_settings(lora) -> str:
+    """The LoRA settings a preflight tests, in the words of their MEGATRON_LORA_* variables (echoed so a
+    PASS says what it covered: the variables a job forgot are visible here)."""
+    rslora = " (rsLoRA)" if lora.rslora else ""
+    text = f"rank {lora.rank}, alpha {lora.alpha:g}{rslora}, targets {','.join(lora.targets)}"
+    extras = [(name, getattr(lora, name)) for name in ("exclude", "rank_pattern", "alpha_pattern", "modules_to_save")]
+    return text + "".join(f", {name} {value}" for name, value in extras if value)
+
+
 def make_plan(options: argparse.Namespace, environ=None) -> Plan:
     """Everything checked before any rank starts; every problem is one UsageError."""
     from megatron_lora_patch.lora.config import LoraConfig
+    from megatron_lora_patch.proof.testbed.args_check import check_widths
     from megatron_lora_patch.proof.testbed.args_model import ArgsModelSpec, parse_megatron_args
     from megatron_lora_patch.proof.testbed.topology import TopologyError
 
@@ -119,6 +130,7 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
         spec = ArgsModelSpec.from_args(args, layers=options.layers, seq_length=options.seq_length)
         topology.validate(num_experts=spec.num_experts, num_layers=spec.num_layers, seq_length=spec.seq_length, max_world=None)
         spec.check(topology)
+        check_widths(spec, topology)  # Megatron asserts these only when a rank builds the layer
     except TopologyError as error:
         raise UsageError(str(error)) from None
     if mutation is not None and mutation.model == "moe" and not spec.is_moe:

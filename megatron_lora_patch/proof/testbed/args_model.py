@@ -30,6 +30,7 @@ import math
 import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from megatron_lora_patch.proof.testbed.args_check import rejection
 from megatron_lora_patch.proof.testbed.args_hybrid import build_hybrid_model, hybrid_layer_kinds, kept_pattern
 from megatron_lora_patch.runtime.errors import UsageError
 
@@ -64,7 +65,7 @@ UNSUPPORTED = (
 def parse_megatron_args(argv: Sequence[str], topology_of: Callable[[argparse.Namespace], Any]) -> argparse.Namespace:
     """Megatron-LM's `parse_args` + `validate_args` on `argv`, for the world `topology_of(args)` describes.
 
-    Unknown arguments are ignored (a training script may add its own). A rejected
+    An unknown argument is refused as `pretrain_gpt.py` refuses it. A rejected
     argument is one UsageError line; nothing distributed is initialized.
     """
     try:
@@ -73,14 +74,14 @@ def parse_megatron_args(argv: Sequence[str], topology_of: Callable[[argparse.Nam
         raise UsageError(
             f"preflight needs Megatron-LM's argument parser (megatron.training, in megatron-core >= 0.17): {error}"
         ) from None
-    saved_argv, captured = sys.argv, io.StringIO()
+    saved_argv, captured, parsers = sys.argv, io.StringIO(), []
     sys.argv = ["pretrain_gpt.py", *argv]
     try:
         with contextlib.redirect_stderr(captured):
-            args = arguments.parse_args(ignore_unknown_args=True)
+            args = arguments.parse_args(lambda parser: parsers.append(parser) or parser)
     except SystemExit:
         lines = [line for line in captured.getvalue().splitlines() if line.strip()]
-        raise UsageError(f"Megatron-LM rejects the arguments: {lines[-1] if lines else 'bad arguments'}") from None
+        raise UsageError(rejection(lines[-1] if lines else "bad arguments", parsers)) from None
     finally:
         sys.argv = saved_argv
     topology = topology_of(args)

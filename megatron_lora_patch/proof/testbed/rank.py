@@ -80,11 +80,12 @@ def rank_main(
     import warnings
 
     warnings.simplefilter(warnings_action)  # before unpickling fn imports torch / Megatron
-    if warnings_action == "ignore":  # start-up notices also go through `logging` ("GPTModel IS DEPRECATED")
-        quiet_logging()
     os.setpgid(0, 0)  # own process group, so the parent can kill this rank with all its descendants
     _die_with_parent(parent_pid)
     os.environ.update(env)  # before torch is imported (unpickling fn may import it)
+    if warnings_action == "ignore":  # start-up notices also go through `logging` ("GPTModel IS DEPRECATED")
+        import torch  # noqa: F401  (first: importing torch resets the "torch" logger's level, then Megatron
+        quiet_logging()  # imports torch.utils.cpp_extension, whose "No CUDA runtime is found" this silences)
     stack_handle = open(stack_file, "w", encoding="utf-8")
     import faulthandler
 
