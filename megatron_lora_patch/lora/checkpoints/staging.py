@@ -48,7 +48,7 @@ def check_target(path: str, label: str, overwrite_hint: str, overwrite: bool) ->
 
 
 def umask() -> int:
-    """The process umask (reading it means setting it; set straight back)."""
+    """The process umask (reading it means setting it; set straight back: not for threads writing files)."""
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

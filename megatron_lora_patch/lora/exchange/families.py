@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from megatron_lora_patch.lora.exchange.names import PeftFormatError, names_for
 
 logger = logging.getLogger("megatron_lora_patch")
 
-#: Megatron activation function name -> the `hidden_act` transformers gives it.
-HF_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "quick_gelu": "quick_gelu", "squared_relu": "relu2", "relu": "relu"}
+#: Megatron activation functions transformers can name in `hidden_act` (the same names; squared_relu is relu2).
+HF_ACTIVATIONS = ("silu", "gelu", "quick_gelu", "squared_relu", "relu")
 _BIAS_LEVELS = ("none", "qkv", "attention", "all")  # each level holds the ones before it (as zeros)
 
 
@@ -105,9 +105,9 @@ def _inferred(description: dict, label: str) -> str:
     return "qwen3_moe" if qk_layernorm else "mixtral"
 
 
-def resolve(description: dict, family: Optional[str], label: str = "family") -> Tuple[str, List[str]]:
-    """(the family to export as, the description fields assumed): `family` checked against the recorded
-    model, or inferred when None; a family that cannot represent it is a one-line `PeftFormatError`."""
+def resolve(description: dict, family: Optional[str], label: str = "family") -> str:
+    """The family to export as: `family` checked against the recorded model, or inferred when None; a family
+    that cannot represent it is a one-line `PeftFormatError`, fields the description lacks one warning."""
     if family is not None:
         names_for(family, label)
     name = family if family is not None else _inferred(description, label)
@@ -124,4 +124,4 @@ def resolve(description: dict, family: Optional[str], label: str = "family") -> 
             "the checkpoint does not record %s (written by an older megatron-lora-patch); assumed what %s needs: %s",
             ", ".join(assumed), name, ", ".join(f"{field}={value}" for field, value in assumed.items()),
         )
-    return name, sorted(assumed)
+    return name

@@ -86,7 +86,7 @@ def export_peft(
     refused unless `overwrite`, and replaced only once the new adapter is complete.
     """
     recorded = checkpoint.read_description(checkpoint_source.resolve_save_dir(checkpoint_dir), names.checkpoint)
-    family, _ = families.resolve(recorded, family, names.family)
+    family = families.resolve(recorded, family, names.family)
     staging.check_target(out_dir, names.out, names.overwrite, overwrite)
     _check_apart(checkpoint_dir, out_dir, names)
     with staging.staged(out_dir, names.out) as partial:
