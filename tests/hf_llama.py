@@ -71,13 +71,19 @@ def _mlp(spec: TinyGPTSpec, weights: dict, src: str, dst: str) -> dict:
     }
 
 
+def llama_config(spec: TinyGPTSpec):
+    """The LlamaConfig of the testbed's dense model (fp32, eager attention)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(intermediate_size=spec.ffn_hidden_size, mlp_bias=False, **_common(spec))
+
+
 def llama_for(spec: TinyGPTSpec, seed: int, weights: Optional[dict] = None):
     """LlamaForCausalLM (fp32, eager attention, eval mode) with the logical base weights of (spec, seed),
     or `weights` (the testbed's logical names)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(intermediate_size=spec.ffn_hidden_size, mlp_bias=False, **_common(spec))
-    return _load(LlamaForCausalLM, config, spec, seed, weights)
+    return _load(LlamaForCausalLM, llama_config(spec), spec, seed, weights)
 
 
 def mixtral_for(spec: TinyGPTSpec, seed: int, weights: Optional[dict] = None):

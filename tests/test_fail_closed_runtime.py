@@ -12,6 +12,7 @@ as a `cd Megatron-LM; torchrun pretrain_gpt.py` checkout does.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import pathlib
 
@@ -79,6 +80,16 @@ CONFIGURATION = {
     "patch flag names no patch": (
         {"MEGATRON_LORA_PATCH_LORA_LINAER": "0"},
         "MEGATRON_LORA_PATCH_LORA_LINAER names no known patch; did you mean MEGATRON_LORA_PATCH_LORA_LINEAR?"),
+    "cpu_compat flag without its plugin": (  # the CPU support is the cpu_testbed plugin (issue 27)
+        {"MEGATRON_LORA_PATCH_CPU_COMPAT": "1"},
+        "MEGATRON_LORA_PATCH_CPU_COMPAT names cpu_compat, a patch of the cpu_testbed plugin, which MEGATRON_PLUGINS "
+        "does not name; add the plugin (MEGATRON_PLUGINS=lora_correct,cpu_testbed turns cpu_compat on) or unset "
+        "MEGATRON_LORA_PATCH_CPU_COMPAT"),
+    "cpu_compat disabled without its plugin": (
+        {"MEGATRON_LORA_DISABLED_PATCHES": "cpu_compat"},
+        "MEGATRON_LORA_DISABLED_PATCHES names cpu_compat, a patch of the cpu_testbed plugin, which MEGATRON_PLUGINS "
+        "does not name; add the plugin (MEGATRON_PLUGINS=lora_correct,cpu_testbed turns cpu_compat on) or drop "
+        "cpu_compat from MEGATRON_LORA_DISABLED_PATCHES"),
     "runtime variable typo": (
         {"MEGATRON_LORA_STRCT": "1"},
         "MEGATRON_LORA_STRCT is not a variable megatron-lora-patch reads; did you mean MEGATRON_LORA_STRICT?"),
@@ -102,12 +113,20 @@ def test_configuration_mistake_stops_import(case):
 
 
 @pytest.mark.parametrize("case", ["plugin typo", "patch flag not a boolean", "runtime variable typo",
-                                  "old force flag name", "disabled patch typo"])
+                                  "old force flag name", "disabled patch typo", "cpu_compat flag without its plugin"])
 def test_status_reports_the_same_mistake_with_exit_2(case):
     env, message = CONFIGURATION[case]
     result = run_fresh(STATUS, **{"MEGATRON_PLUGINS": "lora_correct", **env})
     assert_one_line_error(result, message, returncode=2)
     assert result.stdout == ""  # no table that could be read as "applied"
+
+
+def test_status_prints_its_table_without_megatron_or_torch_warnings_unless_verbose():
+    quiet = run_fresh(STATUS, MEGATRON_PLUGINS="lora_correct,cpu_testbed")
+    verbose = run_fresh(STATUS + ["-v"], MEGATRON_PLUGINS="lora_correct,cpu_testbed")
+    assert quiet.returncode == verbose.returncode == 0, quiet.stderr[-3000:]
+    assert quiet.stderr == "" and quiet.stdout == verbose.stdout
+    assert "UserWarning" in verbose.stderr or importlib.util.find_spec("transformer_engine"), verbose.stderr
 
 
 def test_unknown_variable_without_a_close_name_lists_the_known_ones():

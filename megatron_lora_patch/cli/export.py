@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import warnings
+
+from megatron_lora_patch.cli import quiet
 
 
 def add_parser(commands) -> None:
@@ -21,17 +22,23 @@ def add_parser(commands) -> None:
     )
     export.add_argument("--checkpoint", required=True, help="Megatron-LM --save or iter_NNNNNNN directory, or adapter-only checkpoint")
     export.add_argument("--out", required=True, help="output directory for the PEFT adapter")
-    export.add_argument("--family", default="llama", help="HF module names: llama (default), mistral, qwen2, qwen3, qwen3_moe, mixtral (MoE experts)")
+    export.add_argument(
+        "--family", default=None,
+        help="HF model family: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral (MoE experts); default: inferred "
+        "from the checkpoint (qwen3 / qwen3_moe with q / k layernorm, else llama / mixtral); refused, naming the "
+        "mismatch, when the family cannot represent the model",
+    )
     export.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    quiet.add_verbose(export)
     export.set_defaults(run=run_export)
 
 
 def run_export(args: argparse.Namespace) -> int:
-    with warnings.catch_warnings():
-        # Megatron's import-time notices (no Transformer Engine / Apex) are noise for a file conversion.
-        warnings.simplefilter("ignore")
+    # Megatron's import-time notices (no Transformer Engine / Apex) are noise for a file conversion.
+    with quiet.quiet(args.verbose):
         from megatron_lora_patch.lora.exchange.transfer import ArgumentNames, export_peft
 
-        tensors = export_peft(args.checkpoint, args.out, args.family, overwrite=args.force, names=ArgumentNames("--checkpoint", "--out", "--family", "pass --force"))
+        names = ArgumentNames("--checkpoint", "--out", "--family", "pass --force")
+        tensors = export_peft(args.checkpoint, args.out, args.family, overwrite=args.force, names=names)
     print(f"wrote {len(tensors)} tensors to {args.out}")
     return 0

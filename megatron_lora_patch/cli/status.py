@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Sequence
 
+from megatron_lora_patch.cli import quiet
 from megatron_lora_patch.runtime import errors, flags
 
 
@@ -21,12 +22,19 @@ def add_parser(commands) -> None:
     status.add_argument(
         "--no-import", action="store_true", help="do not import the target modules (states stay 'not imported yet')"
     )
+    quiet.add_verbose(status)
     status.set_defaults(run=run_status)
 
 
 def run_status(args: argparse.Namespace) -> int:
     """Validate every flag (a mistake: one line, exit 2), apply in this process, import the
-    targets, and show per patch what this process got and what a fresh training process would."""
+    targets, and show per patch what this process got and what a fresh training process would
+    (Megatron / torch import notices hidden unless `-v`)."""
+    with quiet.quiet(args.verbose):
+        return _status(args)
+
+
+def _status(args: argparse.Namespace) -> int:
     from megatron_lora_patch.runtime import bootstrap as _bootstrap
     from megatron_lora_patch.runtime import registry
 

@@ -29,6 +29,9 @@ RENAMED = {"MEGATRON_LORA_PATCH_CPU_COMPAT_FORCE": CPU_COMPAT_FORCE_VARIABLE}
 RENAMED_PATCHES = {"tp_invariant": "layout_invariant"}
 _warned_renames: set = set()
 
+#: Patches of a plugin that a run may forget to name: an unknown patch name found here names its plugin.
+PLUGIN_OF_PATCH = {"cpu_compat": "cpu_testbed"}
+
 #: The runtime's own boolean variables (each validated at activation).
 BOOLEAN_VARIABLES = (STRICT_VARIABLE, ALLOW_UNTESTED_VARIABLE, CPU_COMPAT_FORCE_VARIABLE)
 RUNTIME_VARIABLES = (DISABLED_VARIABLE, *BOOLEAN_VARIABLES)
@@ -127,6 +130,17 @@ def _renamed_variable(name: str, environ: Mapping[str, str]) -> Optional[bool]:
     return None
 
 
+def _unloaded_plugin(where: str, patch: str, otherwise: str) -> Optional[str]:
+    """The one line for a patch of a plugin `MEGATRON_PLUGINS` does not name, else None."""
+    plugin = PLUGIN_OF_PATCH.get(patch)
+    if plugin is None:
+        return None
+    return (
+        f"{where} names {patch}, a patch of the {plugin} plugin, which {PLUGINS_VARIABLE} does not name; "
+        f"add the plugin ({PLUGINS_VARIABLE}=lora_correct,{plugin} turns {patch} on) or {otherwise}"
+    )
+
+
 def check_variable_names(
     patch_names: Iterable[str], declared: Iterable[str], environ: Mapping[str, str] = os.environ
 ) -> None:
@@ -141,6 +155,9 @@ def check_variable_names(
         if variable in RENAMED:
             raise FlagError(f"{variable} was renamed {RENAMED[variable]}; set that instead")
         if variable.startswith(PATCH_VARIABLE_PREFIX):
+            elsewhere = _unloaded_plugin(variable, variable[len(PATCH_VARIABLE_PREFIX):].lower(), f"unset {variable}")
+            if elsewhere:
+                raise FlagError(elsewhere)
             problem = f"{variable} names no known patch"
             raise FlagError(unknown_name(problem, variable, patch_flags, str, PATCH_VARIABLE_PREFIX))
         problem = f"{variable} is not a variable megatron-lora-patch reads"
@@ -181,4 +198,7 @@ def resolve_enabled(
 def check_known(where: str, names: Iterable[str], known: Iterable[str], what: str = "patch") -> None:
     for name in names:
         if name not in known:
+            elsewhere = _unloaded_plugin(where, name, f"drop {name} from {where}") if what == "patch" else None
+            if elsewhere:
+                raise FlagError(elsewhere)
             raise FlagError(unknown_name(f"{where} names unknown {what} {name!r}", name, known))

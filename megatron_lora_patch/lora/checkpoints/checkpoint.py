@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
 from megatron_lora_patch.lora.adapters.metadata import ADAPTER_NAME
-from megatron_lora_patch.lora.checkpoints import staging
+from megatron_lora_patch.lora.checkpoints import architecture, staging
 from megatron_lora_patch.lora.layers import trained_fully
 from megatron_lora_patch.runtime.errors import UsageError
 
@@ -183,6 +183,7 @@ def describe(chunks: Iterable[torch.nn.Module]) -> Dict[str, Any]:
         "gated_linear_unit": bool(config.gated_linear_unit),
         "num_experts": config.num_moe_experts or 0,
         "tied_embeddings": bool(getattr(model, "share_embeddings_and_output_weights", False)),
+        **architecture.fields(model),  # what a Hugging Face family must represent (export checks it)
     }
 
 

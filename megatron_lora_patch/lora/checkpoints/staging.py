@@ -47,12 +47,25 @@ def check_target(path: str, label: str, overwrite_hint: str, overwrite: bool) ->
         raise OutputDirectoryError(f"{label} {path} cannot be created: {existing} is not writable")
 
 
+def umask() -> int:
+    """The process umask (reading it means setting it; set straight back: not for threads writing files)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def make_staging(path: str, label: str) -> str:
-    """A new empty directory beside `path` (its parent created if needed) to write the output into."""
+    """A new empty directory beside `path` (its parent created if needed) to write the output into.
+
+    `mkdtemp` makes it 0700 whatever the umask; it becomes the published output, so it gets the
+    mode `os.makedirs` would give it (0777 less the umask), readable like any `save_pretrained` output.
+    """
     parent, name = os.path.split(os.path.abspath(path))
     try:
         os.makedirs(parent, exist_ok=True)
-        return tempfile.mkdtemp(dir=parent, prefix=f".{name}.partial-")
+        staging = tempfile.mkdtemp(dir=parent, prefix=f".{name}.partial-")
+        os.chmod(staging, 0o777 & ~umask())
+        return staging
     except OSError as error:
         raise OutputDirectoryError(f"{label} {path} cannot be created in {parent}: {error.strerror}") from None
 

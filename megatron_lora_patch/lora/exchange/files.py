@@ -9,6 +9,7 @@ from typing import Any, Dict, Tuple
 
 import torch
 
+from megatron_lora_patch.lora.checkpoints import staging
 from megatron_lora_patch.lora.exchange.names import (
     CONFIG_NAME,
     LEGACY_METADATA_KEY,
@@ -23,7 +24,9 @@ def write(out_dir: str, tensors: Dict[str, torch.Tensor], config: dict, family: 
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
+    weights = os.path.join(out_dir, WEIGHTS_NAME)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    os.chmod(weights, 0o666 & ~staging.umask())  # safetensors writes 0600; give it the mode open() gives the JSON
     for name, data in ((CONFIG_NAME, config), (METADATA_NAME, {"family": family})):
         with open(os.path.join(out_dir, name), "w") as handle:
             json.dump(data, handle, indent=2, sort_keys=True)

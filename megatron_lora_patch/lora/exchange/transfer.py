@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Dict, Iterable, Tuple
+from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -21,9 +21,9 @@ from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
 from megatron_lora_patch.lora.adapters.layouts import shard
 from megatron_lora_patch.lora.checkpoints import checkpoint, staging
 from megatron_lora_patch.lora.checkpoints import source as checkpoint_source
-from megatron_lora_patch.lora.exchange import checks, files, peft
+from megatron_lora_patch.lora.exchange import checks, families, files, peft
 from megatron_lora_patch.lora.exchange import modules as peft_modules
-from megatron_lora_patch.lora.exchange.names import Logical, PeftFormatError, names_for
+from megatron_lora_patch.lora.exchange.names import Logical, PeftFormatError
 from megatron_lora_patch.lora.layers import trained_fully
 
 _STACKED_KEY = re.compile(r"^decoder\.layers\.(?P<module>.+?)\.lora\.(?P<factor>[AB])$")
@@ -76,15 +76,17 @@ def _check_apart(checkpoint_dir: str, out_dir: str, names: ArgumentNames) -> Non
 
 
 def export_peft(
-    checkpoint_dir: str, out_dir: str, family: str = "llama", overwrite: bool = False, names: ArgumentNames = ArgumentNames()
+    checkpoint_dir: str, out_dir: str, family: Optional[str] = None, overwrite: bool = False,
+    names: ArgumentNames = ArgumentNames(),
 ) -> Dict[str, torch.Tensor]:
     """Write the PEFT adapter of a checkpoint with adapters (see `checkpoint_source`) to `out_dir`; returns the PEFT tensors.
 
-    Every argument is checked before the checkpoint is loaded; a non-empty `out_dir` is
+    Every argument is checked before the checkpoint is loaded, `family` against the model the
+    checkpoint records (None: inferred; lora/exchange/families.py); a non-empty `out_dir` is
     refused unless `overwrite`, and replaced only once the new adapter is complete.
     """
-    names_for(family, names.family)
-    checkpoint.read_description(checkpoint_source.resolve_save_dir(checkpoint_dir), names.checkpoint)
+    recorded = checkpoint.read_description(checkpoint_source.resolve_save_dir(checkpoint_dir), names.checkpoint)
+    family = families.resolve(recorded, family, names.family)
     _check_apart(checkpoint_dir, out_dir, names)  # first: "pass --force" would destroy the checkpoint
     staging.check_target(out_dir, names.out, names.overwrite, overwrite)
     with staging.staged(out_dir, names.out) as partial:
