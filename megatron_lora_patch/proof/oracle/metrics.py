@@ -9,6 +9,8 @@ from typing import Dict, Mapping, Optional
 import torch
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
+#: Where a module's output is computed in a layer's forward, earliest first (drift is located there first).
+FORWARD_ORDER = ("linear_qkv", "linear_proj", "router", "linear_fc1", "linear_fc2")
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -33,6 +35,7 @@ class PhaseMetrics:
     worst_tensor: str
     per_layer: Mapping[str, float]  # mean relative L2 of the tensors of each transformer layer ("other": the rest)
     threshold: float
+    first_over: str = ""  # the first tensor in forward order over the threshold ("" when none is)
 
     @property
     def passed(self) -> bool:
@@ -69,13 +72,24 @@ def compare_tensors(actual: Mapping[str, torch.Tensor], expected: Mapping[str, t
     for name, error in errors.items():
         match = _LAYER.search(name)
         layers.setdefault(match.group(1) if match else "other", []).append(error)
+    over = [name for name, error in errors.items() if not error <= threshold or (threshold == 0 and error != 0)]
     return PhaseMetrics(
         rel_l2=errors[worst],
         max_abs=max(max_abs_error(actual[name], expected[name]) for name in expected),
         worst_tensor=worst,
         per_layer={layer: sum(values) / len(values) for layer, values in sorted(layers.items())},
         threshold=threshold,
+        first_over=min(over, key=forward_position) if over else "",
     )
+
+
+def forward_position(name: str) -> tuple:
+    """Sort key of a tensor name in forward order: its layer, then its module's place in the layer
+    (FORWARD_ORDER), then the name; tensors outside any layer come last."""
+    match = _LAYER.search(name)
+    layer = int(match.group(1)) if match else float("inf")
+    place = next((index for index, kind in enumerate(FORWARD_ORDER) if kind in name), len(FORWARD_ORDER))
+    return (layer, place, name)
 
 
 def compare_scalars(actual: Mapping[str, float], expected: Mapping[str, float], threshold: float) -> PhaseMetrics:

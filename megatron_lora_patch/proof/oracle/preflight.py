@@ -100,7 +100,8 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
     """Everything checked before any rank starts; every problem is one UsageError."""
     from megatron_lora_patch.lora.config import LoraConfig
     from megatron_lora_patch.proof.testbed.args_check import check_widths
-    from megatron_lora_patch.proof.testbed.args_model import ArgsModelSpec, parse_megatron_args
+    from megatron_lora_patch.proof.testbed.args_model import ArgsModelSpec
+    from megatron_lora_patch.proof.testbed.args_parse import parse_megatron_args
     from megatron_lora_patch.proof.testbed.topology import TopologyError
 
     argv = list(options.megatron_args or [])

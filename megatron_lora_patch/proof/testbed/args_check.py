@@ -47,3 +47,14 @@ def check_widths(spec: Any, topology: Any) -> None:
                 f"Megatron-Core rejects this model: {option} {width} is not divisible by {parallel} {size} "
                 "(its linears are split over those ranks); choose sizes that divide"
             )
+
+
+def failure_reason(error: BaseException) -> str:
+    """The error's message, or the failing check's source line for a bare `assert`."""
+    import traceback
+
+    text = str(error).strip()
+    if text:
+        return text
+    frames = traceback.extract_tb(error.__traceback__)
+    return f"failed check `{frames[-1].line}`" if frames and frames[-1].line else type(error).__name__

@@ -1,7 +1,7 @@
 """The user's GPT model, built from their own Megatron-LM arguments and scaled down in depth only.
 
-`parse_megatron_args(argv, topology_of)` runs Megatron-LM's own parser and `validate_args`
-(as `pretrain_gpt.py` does, without initializing distributed); `ArgsModelSpec.from_args`
+`args_parse.parse_megatron_args(argv, topology_of)` runs Megatron-LM's own parser and
+`validate_args` (as `pretrain_gpt.py` does, without initializing distributed); `ArgsModelSpec.from_args`
 keeps every width (hidden, heads, query groups, ffn, experts, top-k, vocabulary) and only
 cuts the number of layers to the fewest that hold every distinct layer kind (dense / MoE
 from `--moe-layer-freq`; attention / MLP / MoE from `--hybrid-layer-pattern`, see
@@ -20,17 +20,14 @@ fused CUDA kernels (they compute the same function).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import functools
 import hashlib
-import io
 import math
-import sys
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
-from megatron_lora_patch.proof.testbed.args_check import rejection
+from megatron_lora_patch.proof.testbed.args_check import failure_reason
 from megatron_lora_patch.proof.testbed.args_hybrid import build_hybrid_model, hybrid_layer_kinds, kept_pattern
 from megatron_lora_patch.runtime.errors import UsageError
 
@@ -60,74 +57,6 @@ UNSUPPORTED = (
     ("heterogeneous_layers_config_path", "heterogeneous layers"),
     ("fp16", "fp16 loss scaling (compare in --bf16 or fp32)"),
 )
-
-
-def parse_megatron_args(argv: Sequence[str], topology_of: Callable[[argparse.Namespace], Any]) -> argparse.Namespace:
-    """Megatron-LM's `parse_args` + `validate_args` on `argv`, for the world `topology_of(args)` describes.
-
-    An unknown argument is refused as `pretrain_gpt.py` refuses it. A rejected
-    argument is one UsageError line; nothing distributed is initialized.
-    """
-    try:
-        from megatron.training import arguments
-    except ImportError as error:
-        raise UsageError(
-            f"preflight needs Megatron-LM's argument parser (megatron.training, in megatron-core >= 0.17): {error}"
-        ) from None
-    saved_argv, captured, parsers = sys.argv, io.StringIO(), []
-    sys.argv = ["pretrain_gpt.py", *argv]
-    try:
-        with contextlib.redirect_stderr(captured):
-            args = arguments.parse_args(lambda parser: parsers.append(parser) or parser)
-    except SystemExit:
-        lines = [line for line in captured.getvalue().splitlines() if line.strip()]
-        raise UsageError(rejection(lines[-1] if lines else "bad arguments", parsers)) from None
-    finally:
-        sys.argv = saved_argv
-    topology = topology_of(args)
-    args.world_size, args.rank = topology.world_size, 0
-    with _cpu_host(arguments), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            arguments.validate_args(args, {})
-        except (AssertionError, ValueError, TypeError) as error:
-            raise UsageError(f"Megatron-LM rejects the arguments: {_reason(error)}") from None
-    return args
-
-
-def _reason(error: BaseException) -> str:
-    """The error's message, or the failing check's source line for a bare `assert`."""
-    import traceback
-
-    text = str(error).strip()
-    if text:
-        return text
-    frames = traceback.extract_tb(error.__traceback__)
-    return f"failed check `{frames[-1].line}`" if frames and frames[-1].line else type(error).__name__
-
-
-@contextlib.contextmanager
-def _cpu_host(arguments_module):
-    """On a machine without CUDA, answer `validate_args`' GPU questions as a pre-Blackwell GPU would."""
-    import os
-
-    import torch
-
-    from megatron_lora_patch.runtime.patching import Patcher
-
-    patcher = Patcher()
-    saved = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
-    if not torch.cuda.is_available():
-        if hasattr(arguments_module, "get_device_arch_version"):
-            patcher.replace(arguments_module, "get_device_arch_version", lambda: 0)
-        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-    try:
-        yield
-    finally:
-        patcher.revert()
-        if saved is None:
-            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
-        else:
-            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = saved
 
 
 def layer_kinds(args: argparse.Namespace) -> List[str]:
@@ -271,7 +200,7 @@ class ArgsModelSpec:
             try:
                 self.config(where)
             except (AssertionError, ValueError, TypeError) as error:
-                raise UsageError(f"Megatron-Core rejects this model: {_reason(error)}") from None
+                raise UsageError(f"Megatron-Core rejects this model: {failure_reason(error)}") from None
 
     def check_topology(self, topology: Any) -> None:
         """Nothing left to check: Megatron-LM's own `validate_args` accepted the user's topology."""
