@@ -136,8 +136,14 @@ def _layer(kind: str, variant: str, sequence_parallel: bool):
         )
     else:
         holder.linear_fc2 = RowParallelLinear(
-            FFN, HIDDEN, config=config, init_method=init, bias=False, input_is_parallel=True,
-            skip_bias_add=False, tp_group=group,
+            FFN,
+            HIDDEN,
+            config=config,
+            init_method=init,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=False,
+            tp_group=group,
         )
     layer = next(iter(holder.children()))
     if variant.startswith("lora"):
@@ -204,8 +210,12 @@ def step_times(rank: int, world: int, hidden: int, seq: int, steps: int) -> dict
 
     _apply_patches()
     spec = TinyGPTSpec(
-        hidden_size=hidden, num_attention_heads=hidden // 64, num_query_groups=hidden // 256,
-        ffn_hidden_size=hidden * 8 // 3 // 64 * 64, seq_length=seq, num_layers=2,
+        hidden_size=hidden,
+        num_attention_heads=hidden // 64,
+        num_query_groups=hidden // 256,
+        ffn_hidden_size=hidden * 8 // 3 // 64 * 64,
+        seq_length=seq,
+        num_layers=2,
     )
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (1, seq), generator=generator)
@@ -265,13 +275,18 @@ def main() -> None:
             regather_ok = row["lora-regather"] == row["full"]
             extra = {op: count - row["frozen"][0].get(op, 0) for op, count in row["te-branch"][0].items()}
             extra_bytes = {op: size - row["frozen"][1].get(op, 0) for op, size in row["te-branch"][1].items()}
-            te_text = ", ".join(f"{op} x{count} ({extra_bytes[op]} B)" for op, count in sorted(extra.items()) if count) or "none"
+            te_text = (
+                ", ".join(f"{op} x{count} ({extra_bytes[op]} B)" for op, count in sorted(extra.items()) if count)
+                or "none"
+            )
             print(
                 f"{setting} {kind}: lora-keep == frozen: {keep_ok}; lora-regather == full: {regather_ok}; "
                 f"te-branch adds: {te_text}"
             )
 
-    timing = run_world(step_times, 1, args=(options.hidden, options.seq, options.steps), name="step-time", timeout=600)[0]
+    timing = run_world(step_times, 1, args=(options.hidden, options.seq, options.steps), name="step-time", timeout=600)[
+        0
+    ]
     spec, flops, median = timing["spec"], timing["flops"], timing["median_s"]
     print(
         f"\nStep time, world size 1, CPU fp32, 1 thread: GPT hidden {spec.hidden_size}, ffn {spec.ffn_hidden_size}, "
@@ -280,9 +295,7 @@ def main() -> None:
     )
     for name in ("frozen", "lora"):
         print(f"  {name:7} {median[name] * 1e3:9.1f} ms   {flops[name] / 1e9:8.3f} GFLOP")
-    print(
-        f"  LoRA / frozen: time {median['lora'] / median['frozen']:.3f}, FLOPs {flops['lora'] / flops['frozen']:.3f}"
-    )
+    print(f"  LoRA / frozen: time {median['lora'] / median['frozen']:.3f}, FLOPs {flops['lora'] / flops['frozen']:.3f}")
 
 
 if __name__ == "__main__":

@@ -76,13 +76,17 @@ def main() -> None:
         )
         base = medians["not installed"]
         for name, value in medians.items():
-            print(f"python -c pass, {name:<42} {value * 1e3:7.2f} ms  ratio {value / base:.3f}  (median of {args.runs})")
+            print(
+                f"python -c pass, {name:<42} {value * 1e3:7.2f} ms  ratio {value / base:.3f}  (median of {args.runs})"
+            )
         samples = []
         for _ in range(5):
             out = subprocess.run([str(installed), "-c", APPLY_TIMING], capture_output=True, text=True, cwd=tmp)
             if out.returncode:
                 raise SystemExit(f"apply timing failed:\n{out.stderr}")
-            samples.append([float(x) for x in out.stdout.splitlines()[-1].split()])  # the last line: log lines may precede
+            samples.append(
+                [float(x) for x in out.stdout.splitlines()[-1].split()]
+            )  # the last line: log lines may precede
         apply_ms = statistics.median(s[0] for s in samples) * 1e3
         revert_ms = statistics.median(s[1] for s in samples) * 1e3
         print(

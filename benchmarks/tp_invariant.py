@@ -58,8 +58,9 @@ def _forward_started(module, args, kwargs):
 
 
 def _forward_finished(module, args, kwargs, output):
-    _FORWARD["seconds"] = tuple(total + end - begin
-                                for total, begin, end in zip(_FORWARD["seconds"], _FORWARD["started"], _now()))
+    _FORWARD["seconds"] = tuple(
+        total + end - begin for total, begin, end in zip(_FORWARD["seconds"], _FORWARD["started"], _now())
+    )
 
 
 def _time_forwards(chunks) -> None:
@@ -89,7 +90,9 @@ def _train(spec, topology_text, invariant, steps, global_batch) -> tuple:
     apply_only(wanted)
     set_active(LoraConfig(rank=16, alpha=32.0, b_init="nonzero"))
     settings = TrainSettings(
-        steps=steps, global_batch_size=global_batch, on_model_built=_time_forwards,
+        steps=steps,
+        global_batch_size=global_batch,
+        on_model_built=_time_forwards,
         capture=Capture(params=None, on_step_end=_step_end),
     )
     topology = Topology.parse(topology_text)
@@ -126,8 +129,12 @@ def _measure_times(rank, world_size, spec, topology_text, steps, rounds, global_
     runs = []
     for round_index in range(rounds):
         modes = MODES if round_index % 2 == 0 else MODES[::-1]
-        runs.append({mode: _step_times(*_train(spec, topology_text, invariant, steps, global_batch))
-                     for mode, invariant in modes})
+        runs.append(
+            {
+                mode: _step_times(*_train(spec, topology_text, invariant, steps, global_batch))
+                for mode, invariant in modes
+            }
+        )
     return runs
 
 
@@ -138,33 +145,40 @@ def _summary(runs: list, warmup: int) -> dict:
     """Per mode: medians over every timed step of every round; per-round ratios (median, min, max)."""
     figures = {}
     for mode, _ in MODES:
-        figures[mode] = {key: statistics.median(value for run in runs for value in run[mode][key][warmup:])
-                         for key in TIMES}
+        figures[mode] = {
+            key: statistics.median(value for run in runs for value in run[mode][key][warmup:]) for key in TIMES
+        }
     for key in TIMES:
-        ratios = [statistics.median(run["layout_invariant"][key][warmup:])
-                  / statistics.median(run["default"][key][warmup:])
-                  for run in runs]
+        ratios = [
+            statistics.median(run["layout_invariant"][key][warmup:]) / statistics.median(run["default"][key][warmup:])
+            for run in runs
+        ]
         figures[f"{key}_ratio"] = (statistics.median(ratios), min(ratios), max(ratios))
     figures["state_mib"] = {key: runs[-1]["layout_invariant"][key] / 2**20 for key in ("cache_bytes", "param_bytes")}
     return figures
 
 
 def _report(options, topology: str, figures: dict, peak_mib: dict) -> None:
-    print(f"{topology}, GQA GPT hidden {options.hidden}, seq {options.seq}, LoRA r16 on all linears, global batch "
-          f"{options.global_batch}; "
-          f"{options.rounds} alternating runs per mode of {options.steps} timed steps (medians, rank 0; "
-          f"wall time and process CPU time)")
+    print(
+        f"{topology}, GQA GPT hidden {options.hidden}, seq {options.seq}, LoRA r16 on all linears, global batch "
+        f"{options.global_batch}; "
+        f"{options.rounds} alternating runs per mode of {options.steps} timed steps (medians, rank 0; "
+        f"wall time and process CPU time)"
+    )
     print(f"{'mode':14s} " + " ".join(f"{key:>14s}" for key in TIMES) + f" {'peak RSS growth MiB':>20s}")
     for mode, _ in MODES:
         print(f"{mode:14s} " + " ".join(f"{figures[mode][key]:14.4f}" for key in TIMES) + f" {peak_mib[mode]:20.1f}")
     for key in TIMES:
         median, low, high = figures[f"{key}_ratio"]
-        print(f"ratio layout_invariant / default, {key}: {median:.2f}x "
-              f"(per-round median; min {low:.2f}, max {high:.2f})")
-    print(f"peak RSS growth ratio {peak_mib['layout_invariant'] / max(peak_mib['default'], 1e-9):.2f}x; state kept "
-          f"by layout_invariant between steps (cached full weights and microbatch lanes, rank 0): "
-          f"{figures['state_mib']['cache_bytes']:.1f} MiB "
-          f"on top of the rank's {figures['state_mib']['param_bytes']:.1f} MiB of parameters")
+        print(
+            f"ratio layout_invariant / default, {key}: {median:.2f}x (per-round median; min {low:.2f}, max {high:.2f})"
+        )
+    print(
+        f"peak RSS growth ratio {peak_mib['layout_invariant'] / max(peak_mib['default'], 1e-9):.2f}x; state kept "
+        f"by layout_invariant between steps (cached full weights and microbatch lanes, rank 0): "
+        f"{figures['state_mib']['cache_bytes']:.1f} MiB "
+        f"on top of the rank's {figures['state_mib']['param_bytes']:.1f} MiB of parameters"
+    )
 
 
 def main() -> None:
@@ -180,18 +194,40 @@ def main() -> None:
     parser.add_argument("--topology", default="tp2", help="tp2, tp2-sp, dp2, pp2, tp2-dp2, ... (testbed spec)")
     parser.add_argument("--global-batch", type=int, default=8, help="samples per step (micro batch 1)")
     options = parser.parse_args()
-    spec = TinyGPTSpec(hidden_size=options.hidden, ffn_hidden_size=2 * options.hidden, num_attention_heads=8,
-                       num_query_groups=4, vocab_size=512, seq_length=options.seq)
+    spec = TinyGPTSpec(
+        hidden_size=options.hidden,
+        ffn_hidden_size=2 * options.hidden,
+        num_attention_heads=8,
+        num_query_groups=4,
+        vocab_size=512,
+        seq_length=options.seq,
+    )
     topology, world = options.topology, Topology.parse(options.topology).world_size
     steps = options.warmup + options.steps
-    runs = run_world(_measure_times, world, args=(spec, topology, steps, options.rounds, options.global_batch),
-                     timeout=3000, name=f"{topology} both modes")[0]
+    runs = run_world(
+        _measure_times,
+        world,
+        args=(spec, topology, steps, options.rounds, options.global_batch),
+        timeout=3000,
+        name=f"{topology} both modes",
+    )[0]
     figures = _summary(runs, options.warmup)
     memory_args = (spec, topology, steps, options.global_batch)
-    peak_mib = {mode: max(run_world(_measure_memory, world, args=(*memory_args[:2], invariant, *memory_args[2:]),
-                                    timeout=1200, name=f"{topology} {mode} memory")) / 2**20
-                for mode, invariant in MODES}
+    peak_mib = {
+        mode: max(
+            run_world(
+                _measure_memory,
+                world,
+                args=(*memory_args[:2], invariant, *memory_args[2:]),
+                timeout=1200,
+                name=f"{topology} {mode} memory",
+            )
+        )
+        / 2**20
+        for mode, invariant in MODES
+    }
     _report(options, topology, figures, peak_mib)
+
 
 if __name__ == "__main__":
     main()

@@ -45,13 +45,20 @@ def installed_python(tmp_path_factory) -> pathlib.Path:
     return wheel_env.create(tmp_path_factory.mktemp("installed"), REPO)
 
 
-def run_python(python: pathlib.Path, code: str, *, plugins: bool = True, args=(), **env: str) -> subprocess.CompletedProcess:
+def run_python(
+    python: pathlib.Path, code: str, *, plugins: bool = True, args=(), **env: str
+) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter with the test plugins on PYTHONPATH."""
     environ = clean_environ(**env)
     if plugins:
         environ["PYTHONPATH"] = str(PLUGIN_FIXTURES)
     return subprocess.run(
-        [str(python), *args, "-c", code], env=environ, capture_output=True, text=True, timeout=120, cwd=str(PLUGIN_FIXTURES.parent)
+        [str(python), *args, "-c", code],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(PLUGIN_FIXTURES.parent),
     )
 
 
@@ -71,7 +78,11 @@ def run_fresh(args: list[str], **env: str) -> subprocess.CompletedProcess:
     """Run `sys.executable -P <args>` (this environment, its installed wheel and .pth hook) with
     only `env` as runtime flags; `args` is e.g. ['-c', 'import megatron.core'] or ['-m', 'megatron_lora_patch', 'status']."""
     return subprocess.run(
-        [sys.executable, "-P", *args], env=clean_environ(**env), capture_output=True, text=True, timeout=300,
+        [sys.executable, "-P", *args],
+        env=clean_environ(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
         cwd=str(PLUGIN_FIXTURES.parent),
     )
 

@@ -19,7 +19,11 @@ from megatron_lora_patch.proof.oracle.metrics import compare_tensors
 from megatron_lora_patch.proof.oracle.metrics import relative_error as relative_l2_error
 
 __all__ = [
-    "FP32_EPS", "assert_all_within", "assert_errors_within", "fp32_sum_tolerance", "max_abs_error_over_max",
+    "FP32_EPS",
+    "assert_all_within",
+    "assert_errors_within",
+    "fp32_sum_tolerance",
+    "max_abs_error_over_max",
     "relative_l2_error",
 ]
 
@@ -45,7 +49,9 @@ def max_abs_error_over_max(actual: torch.Tensor, expected: torch.Tensor) -> floa
     return difference / scale if scale > 0 else difference
 
 
-def assert_all_within(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], tolerance: float) -> dict:
+def assert_all_within(
+    actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], tolerance: float
+) -> dict:
     """Same non-empty name sets, every tensor within `tolerance` relative L2 (NaN fails); returns the errors."""
     metrics = compare_tensors(actual, expected, tolerance)  # raises on missing/extra names or nothing to compare
     assert metrics.passed, f"{metrics.worst_tensor}: relative L2 {metrics.rel_l2:.3e} > {tolerance:.3e}"

@@ -31,12 +31,17 @@ def hf_state_dict(spec: TinyGPTSpec, seed: int, weights: Optional[dict] = None) 
     out = {
         "model.embed_tokens.weight": weights["embedding.word_embeddings.weight"],
         "model.norm.weight": weights["decoder.final_layernorm.weight"],
-        "lm_head.weight": weights["output_layer.weight" if "output_layer.weight" in weights else "embedding.word_embeddings.weight"],
+        "lm_head.weight": weights[
+            "output_layer.weight" if "output_layer.weight" in weights else "embedding.word_embeddings.weight"
+        ],
     }
     for layer in range(spec.num_layers):
         src, dst = f"decoder.layers.{layer}.", f"model.layers.{layer}."
         q, k, v = qkv_mixed_to_separate(
-            weights[src + "self_attention.linear_qkv.weight"], spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
+            weights[src + "self_attention.linear_qkv.weight"],
+            spec.num_attention_heads,
+            spec.num_query_groups,
+            spec.kv_channels,
         )
         out.update(_mlp(spec, weights, src, dst))
         if spec.qk_layernorm:

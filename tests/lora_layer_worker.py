@@ -43,12 +43,25 @@ def _build(config, *, expert: bool, tp_group):
     init = lambda weight: torch.nn.init.normal_(weight, std=0.02)  # noqa: E731 (overwritten below)
     layers = torch.nn.Module()
     layers.linear_fc1 = ColumnParallelLinear(
-        HIDDEN, FFN, config=config, init_method=init, bias=not expert, gather_output=False,
-        is_expert=expert, tp_group=tp_group,
+        HIDDEN,
+        FFN,
+        config=config,
+        init_method=init,
+        bias=not expert,
+        gather_output=False,
+        is_expert=expert,
+        tp_group=tp_group,
     )
     layers.linear_fc2 = RowParallelLinear(
-        FFN, HIDDEN, config=config, init_method=init, bias=not expert, input_is_parallel=True,
-        skip_bias_add=expert, is_expert=expert, tp_group=tp_group,
+        FFN,
+        HIDDEN,
+        config=config,
+        init_method=init,
+        bias=not expert,
+        input_is_parallel=True,
+        skip_bias_add=expert,
+        is_expert=expert,
+        tp_group=tp_group,
     )
     return layers
 
@@ -178,7 +191,9 @@ def check_layers(rank: int, world: int, topology_spec: str, expert: bool, sp_inp
         names = attach_adapters(layers, lora)
         assert names == ["linear_fc1", "linear_fc2"], names
         trainable = sorted(n for n, p in layers.named_parameters() if p.requires_grad)
-        assert trainable == ["linear_fc1.lora.A", "linear_fc1.lora.B", "linear_fc2.lora.A", "linear_fc2.lora.B"], trainable
+        assert trainable == ["linear_fc1.lora.A", "linear_fc1.lora.B", "linear_fc2.lora.A", "linear_fc2.lora.B"], (
+            trainable
+        )
         errors.update(_layer_errors(shards, lora, "fc1", layers.linear_fc1, HIDDEN, FFN))
         errors.update(_layer_errors(shards, lora, "fc2", layers.linear_fc2, FFN, HIDDEN))
     return errors

@@ -128,7 +128,9 @@ def qkv_errors(model, spec: TinyGPTSpec) -> Dict[str, float]:
         return seen["qkv"]
 
     attention.get_query_key_value_tensors = record_split  # instance attribute: this model only
-    hook = attention.linear_qkv.register_forward_hook(lambda _m, inputs, output: seen.update(x=inputs[0], out=output[0]))
+    hook = attention.linear_qkv.register_forward_hook(
+        lambda _m, inputs, output: seen.update(x=inputs[0], out=output[0])
+    )
     tokens, positions, mask, _ = batch(spec)
     try:
         with torch.no_grad():
@@ -142,7 +144,9 @@ def qkv_errors(model, spec: TinyGPTSpec) -> Dict[str, float]:
     lora_a, lora_b = logical_factors(LORA, name, None, weight.shape[1], weight.shape[0])
     heads, groups, head_dim = spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
     x = seen["x"]
-    separate = zip(qkv_mixed_to_separate(weight, heads, groups, head_dim), qkv_mixed_to_separate(lora_b, heads, groups, head_dim))
+    separate = zip(
+        qkv_mixed_to_separate(weight, heads, groups, head_dim), qkv_mixed_to_separate(lora_b, heads, groups, head_dim)
+    )
     references = [x @ w.t() + LORA.scale * (x @ lora_a.t()) @ b.t() for w, b in separate]
     base_q = x @ qkv_mixed_to_separate(weight, heads, groups, head_dim)[0].t()
     errors = {"lora_share_of_q": max_abs_error_over_max(base_q, references[0])}  # must be large: a real delta
@@ -203,13 +207,17 @@ def recompute_errors(spec: TinyGPTSpec, topology) -> Dict[str, float]:
         grads = adapter_grads(spec, topology, lora, **overrides)
         assert grads.keys() == reference.keys(), (variant, sorted(grads))
         for name, grad in grads.items():
-            errors[f"{variant}:{name}"] = float("inf") if grad is None else max_abs_error_over_max(grad, reference[name])
+            errors[f"{variant}:{name}"] = (
+                float("inf") if grad is None else max_abs_error_over_max(grad, reference[name])
+            )
     return errors
 
 
 def dropout_masks(spec: TinyGPTSpec, topology, **overrides) -> Dict[str, torch.Tensor]:
     """The LoRA dropout keep-masks drawn in one training forward, by adapter and kind."""
-    lora = LoraConfig(rank=4, alpha=8.0, b_init="nonzero", seed=3, dropout=0.5, sp_input=overrides.pop("sp_input", "keep"))
+    lora = LoraConfig(
+        rank=4, alpha=8.0, b_init="nonzero", seed=3, dropout=0.5, sp_input=overrides.pop("sp_input", "keep")
+    )
     model = build(spec, topology, lora, **overrides)
     model.train()
     masks = {}
@@ -240,7 +248,9 @@ def freeze_report(model, *, step: bool) -> Dict[str, object]:
     names = {id(param): name for name, param in model.named_parameters()}
     report = {
         "adapters": sorted(name for name, p in model.named_parameters() if adapter_info(p) is not None),
-        "expert_adapters": sorted(name for name, p in model.named_parameters() if getattr(adapter_info(p), "expert", False)),
+        "expert_adapters": sorted(
+            name for name, p in model.named_parameters() if getattr(adapter_info(p), "expert", False)
+        ),
         "requires_grad": sorted(name for name, p in model.named_parameters() if p.requires_grad),
     }
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)

@@ -47,8 +47,10 @@ def _tp_broadcast_batch(data_iterator) -> dict:
     args = get_args()
     batch = {}
     if parallel_state.get_tensor_model_parallel_rank() == 0:
-        batch = {key: value.cuda(non_blocking=True) if torch.is_tensor(value) else value
-                 for key, value in next(data_iterator).items()}
+        batch = {
+            key: value.cuda(non_blocking=True) if torch.is_tensor(value) else value
+            for key, value in next(data_iterator).items()
+        }
     return get_batch_on_this_tp_rank(
         batch,
         broadcast_src_rank=parallel_state.get_tensor_model_parallel_src_rank(),
@@ -140,7 +142,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     config = config or core_transformer_config_from_args(args)
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, normalization=args.normalization),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            args.num_experts, args.moe_grouped_gemm, normalization=args.normalization
+        ),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -157,20 +161,32 @@ def main() -> None:
     train_valid_test_datasets_provider.is_distributed = True
     first = next(iter(inspect.signature(pretrain).parameters))
     if first != "cfg_container":  # Megatron-LM 0.17: pretrain parses the arguments
-        pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-                 args_defaults={"tokenizer_type": "NullTokenizer"})
+        pretrain(
+            train_valid_test_datasets_provider,
+            model_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+            args_defaults={"tokenizer_type": "NullTokenizer"},
+        )
     else:
         from megatron.training import argument_utils
         from megatron.training.arguments import parse_and_validate_args
 
         args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
         if hasattr(argument_utils, "gpt_config_from_args"):  # 0.19+: the model config builds the model
-            full_config = argument_utils.pretrain_cfg_container_from_args(args, argument_utils.gpt_config_from_args(args))
+            full_config = argument_utils.pretrain_cfg_container_from_args(
+                args, argument_utils.gpt_config_from_args(args)
+            )
             pretrain(full_config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
         else:
             full_config = argument_utils.pretrain_cfg_container_from_args(args)
-            pretrain(full_config, train_valid_test_datasets_provider, model_provider,
-                     ModelType.encoder_or_decoder, forward_step)
+            pretrain(
+                full_config,
+                train_valid_test_datasets_provider,
+                model_provider,
+                ModelType.encoder_or_decoder,
+                forward_step,
+            )
     record_dir = os.environ.get("LOOP_RECORD_DIR")
     if record_dir and RECORD:
         path = os.path.join(record_dir, f"dp{parallel_state.get_data_parallel_rank()}.json")

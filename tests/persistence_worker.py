@@ -98,8 +98,13 @@ def expected_logical(spec, config: LoraConfig) -> Dict[str, Tuple[torch.Tensor, 
     from megatron_lora_patch.lora.adapters.projections import projection_rows
 
     hidden, kv = spec.hidden_size, spec.kv_channels
-    fused = SimpleNamespace(kv_channels=kv, num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
-                            ffn_hidden_size=spec.ffn_hidden_size, gated_linear_unit=True)  # the testbed is SwiGLU
+    fused = SimpleNamespace(
+        kv_channels=kv,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        gated_linear_unit=True,
+    )  # the testbed is SwiGLU
     sizes = {
         "linear_qkv": (hidden, (spec.num_attention_heads + 2 * spec.num_query_groups) * kv),
         "linear_proj": (spec.num_attention_heads * kv, hidden),
@@ -195,7 +200,9 @@ def export_and_merge_world(rank: int, world: int, topology: str, spec, seed: int
         merged = merge_adapters(chunks)
         merged_logits = full_logits(model, spec)
         unmerge_adapters(merged)
-        drift = max((p.detach() - weights[name]).abs().max().item() for name, p in model.named_parameters() if name in weights)
+        drift = max(
+            (p.detach() - weights[name]).abs().max().item() for name, p in model.named_parameters() if name in weights
+        )
         return {
             "adapted": adapted,
             "merged": merged_logits,
@@ -205,7 +212,9 @@ def export_and_merge_world(rank: int, world: int, topology: str, spec, seed: int
         }
 
 
-def import_and_save_world(rank: int, world: int, topology: str, spec, peft_dir: str, directory: str, options=None) -> List[dict]:
+def import_and_save_world(
+    rank: int, world: int, topology: str, spec, peft_dir: str, directory: str, options=None
+) -> List[dict]:
     """Import a PEFT adapter into fresh adapters (another seed; `options` as when exported) and write an adapter-only checkpoint."""
     from megatron_lora_patch.lora.checkpoints.checkpoint import save_adapters
     from megatron_lora_patch.lora.exchange.transfer import import_peft

@@ -33,7 +33,9 @@ def _train_step(chunks, optimizer, spec, step: int) -> None:
     from megatron_lora_patch.proof.testbed.pretrain import PER_TOKEN, forward_step_for
 
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    global_batch = data.make_global_batch(SETTINGS.seed + step, SETTINGS.global_batch_size, spec.seq_length, spec.vocab_size)
+    global_batch = data.make_global_batch(
+        SETTINGS.seed + step, SETTINGS.global_batch_size, spec.seq_length, spec.vocab_size
+    )
     microbatches = data.dp_rank_microbatches(global_batch, dp_rank, dp_size, SETTINGS.micro_batch_size)
     for chunk in chunks:
         chunk.zero_grad_buffer()
@@ -52,8 +54,15 @@ def _train_step(chunks, optimizer, spec, step: int) -> None:
 
 
 def train_world(
-    rank: int, world: int, topology: str, spec, lora_seed: int, steps: range,
-    load_dir: Optional[str] = None, save_dir: Optional[str] = None, save_before: Optional[int] = None,
+    rank: int,
+    world: int,
+    topology: str,
+    spec,
+    lora_seed: int,
+    steps: range,
+    load_dir: Optional[str] = None,
+    save_dir: Optional[str] = None,
+    save_before: Optional[int] = None,
     load_optimizer: bool = True,
 ) -> dict:
     """Run `steps` (global step indices pick the data); load first / save before step `save_before`.
@@ -93,7 +102,9 @@ def train_world(
         return record
 
 
-def train_and_save_world(rank: int, world: int, topology: str, spec, lora_seed: int, steps: int, adapters_dir: str) -> dict:
+def train_and_save_world(
+    rank: int, world: int, topology: str, spec, lora_seed: int, steps: int, adapters_dir: str
+) -> dict:
     """Train the adapters `steps` steps (Adam), then: full-vocab logits of `persistence_worker.batch`,
     an adapter-only checkpoint in `adapters_dir`, and the local adapters."""
     from megatron.core.distributed import finalize_model_grads

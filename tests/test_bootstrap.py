@@ -50,7 +50,9 @@ def test_unnamed_plugin_is_never_imported(installed_python):
 def test_broken_requested_plugin_stops_the_import_with_one_line(installed_python):
     from conftest import assert_one_line_error
 
-    result = run_python(installed_python, "import megatron, demo_target; print(demo_target.greet())", MEGATRON_PLUGINS="canary")
+    result = run_python(
+        installed_python, "import megatron, demo_target; print(demo_target.greet())", MEGATRON_PLUGINS="canary"
+    )
     assert_one_line_error(result, "plugin 'canary' failed to load: RuntimeError: canary plugin imported")
     assert result.stdout == ""
 
@@ -73,12 +75,18 @@ LORA_OFF = (
     "env, expected",
     [
         ({"MEGATRON_LORA_RANK": "8"}, [LORA_OFF]),
-        ({"MEGATRON_PLUGIN": "lora_correct"},
-         ["MEGATRON_PLUGIN is not a variable megatron-lora-patch reads; did you mean MEGATRON_PLUGINS?"]),
-        ({"megatron_lora_rank": "8"},
-         ["megatron_lora_rank is not read (variable names are case-sensitive); rename it MEGATRON_LORA_RANK"]),
-        ({"megatron_lora_rank": "8", "MEGATRON_PLUGINS": "demo"},
-         ["megatron_lora_rank is not read (variable names are case-sensitive); rename it MEGATRON_LORA_RANK"]),
+        (
+            {"MEGATRON_PLUGIN": "lora_correct"},
+            ["MEGATRON_PLUGIN is not a variable megatron-lora-patch reads; did you mean MEGATRON_PLUGINS?"],
+        ),
+        (
+            {"megatron_lora_rank": "8"},
+            ["megatron_lora_rank is not read (variable names are case-sensitive); rename it MEGATRON_LORA_RANK"],
+        ),
+        (
+            {"megatron_lora_rank": "8", "MEGATRON_PLUGINS": "demo"},
+            ["megatron_lora_rank is not read (variable names are case-sensitive); rename it MEGATRON_LORA_RANK"],
+        ),
     ],
 )
 def test_lora_meant_but_not_read_warns_once_at_import_megatron(installed_python, env, expected):
@@ -126,12 +134,17 @@ STEPS = {
 @pytest.mark.parametrize("name", ORDERINGS)
 def test_every_ordering_wraps_at_most_once(installed_python, name):
     steps = ORDERINGS[name]
-    code = "import megatron_lora_patch, wrapt\n" + "\n".join(STEPS[step] for step in steps) + "\nimport demo_target\n" + (
-        "greet = demo_target.greet\n"
-        "depth = 0\n"
-        "while isinstance(greet, wrapt.FunctionWrapper):\n"
-        "    greet, depth = greet.__wrapped__, depth + 1\n"
-        "print(depth, demo_target.greet())\n"
+    code = (
+        "import megatron_lora_patch, wrapt\n"
+        + "\n".join(STEPS[step] for step in steps)
+        + "\nimport demo_target\n"
+        + (
+            "greet = demo_target.greet\n"
+            "depth = 0\n"
+            "while isinstance(greet, wrapt.FunctionWrapper):\n"
+            "    greet, depth = greet.__wrapped__, depth + 1\n"
+            "print(depth, demo_target.greet())\n"
+        )
     )
     result = run_python(installed_python, code)
     last_change = [step for step in steps if step != "import"][-1]
@@ -140,7 +153,11 @@ def test_every_ordering_wraps_at_most_once(installed_python, name):
 
 
 def test_status_command_in_fresh_interpreter(installed_python):
-    result = run_python(installed_python, "from megatron_lora_patch.cli import main; raise SystemExit(main(['status', '--json']))", MEGATRON_PLUGINS="demo")
+    result = run_python(
+        installed_python,
+        "from megatron_lora_patch.cli import main; raise SystemExit(main(['status', '--json']))",
+        MEGATRON_PLUGINS="demo",
+    )
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     rows = {row["patch"]: row for row in document["patches"]}
@@ -154,8 +171,10 @@ def test_wheel_ships_every_module_and_no_bare_patches(installed_python):
     from conftest import REPO
 
     sources = sorted(
-        ["megatron_lora_patch." + ".".join(p.relative_to(REPO / "megatron_lora_patch").with_suffix("").parts)
-         for p in (REPO / "megatron_lora_patch").rglob("*.py")]
+        [
+            "megatron_lora_patch." + ".".join(p.relative_to(REPO / "megatron_lora_patch").with_suffix("").parts)
+            for p in (REPO / "megatron_lora_patch").rglob("*.py")
+        ]
         + ["megatron_lora_patch.patches." + p.stem for p in (REPO / "patches").glob("*.py")]
     )
     sources = [name.removesuffix(".__init__") for name in sources]
@@ -171,14 +190,28 @@ def test_wheel_ships_every_module_and_no_bare_patches(installed_python):
 
 
 def test_status_table_and_module_entry_point(installed_python):
-    result = run_python(installed_python, "import runpy; runpy.run_module('megatron_lora_patch', run_name='__main__')",
-                        args=(), MEGATRON_PLUGINS="demo")
+    result = run_python(
+        installed_python,
+        "import runpy; runpy.run_module('megatron_lora_patch', run_name='__main__')",
+        args=(),
+        MEGATRON_PLUGINS="demo",
+    )
     assert result.returncode == 2 and "the following arguments are required: command" in result.stderr
     code = "import sys; sys.argv = ['megatron-lora-patch', 'status']; import runpy; runpy.run_module('megatron_lora_patch', run_name='__main__')"
     result = run_python(installed_python, code, MEGATRON_PLUGINS="demo")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["plugin", "patch", "tested", "megatron-core", "enabled", "fresh", "process", "this", "process"]
+    assert lines[0].split() == [
+        "plugin",
+        "patch",
+        "tested",
+        "megatron-core",
+        "enabled",
+        "fresh",
+        "process",
+        "this",
+        "process",
+    ]
     shout = lines.index(next(line for line in lines if line.split()[:2] == ["demo", "demo_shout"]))
     assert lines[shout].split()[-4:] == ["on", "(default)", "applied", "applied"]
     assert lines[shout + 1].strip() == "target demo_target:greet"  # what its patcher recorded
@@ -191,7 +224,9 @@ def test_status_when_plugins_unset(installed_python):
     code = "from megatron_lora_patch.cli import main; raise SystemExit(main(['status']))"
     result = run_python(installed_python, code)
     assert result.returncode == 0
-    assert result.stdout.startswith("MEGATRON_PLUGINS is unset: no plugin is active and nothing is patched. Installed plugins: canary, cpu_testbed, demo, lora_correct.")
+    assert result.stdout.startswith(
+        "MEGATRON_PLUGINS is unset: no plugin is active and nothing is patched. Installed plugins: canary, cpu_testbed, demo, lora_correct."
+    )
 
 
 def test_lora_correct_applied_on_plain_megatron_import(installed_python):
@@ -246,27 +281,54 @@ def test_editable_install_has_the_start_up_hook(tmp_path):
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
     ).strip()
     dependencies = [sysconfig.get_paths()["purelib"]] + [p for p in sys.path if p.endswith("site-packages")]
-    dependencies = [_without_this_package(pathlib.Path(p), tmp_path / f"deps{i}") for i, p in enumerate(dict.fromkeys(dependencies))]
+    dependencies = [
+        _without_this_package(pathlib.Path(p), tmp_path / f"deps{i}") for i, p in enumerate(dict.fromkeys(dependencies))
+    ]
     (pathlib.Path(site_packages) / "zz_dependencies.pth").write_text("\n".join(dependencies) + "\n")
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-build-isolation",
-         "-e", str(source)],
-        check=True, capture_output=True, env=clean_environ(),
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-e",
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        env=clean_environ(),
     )
     assert (pathlib.Path(site_packages) / "megatron_lora_patch-init.pth").is_file()
     code = (
         "import json, megatron.core.tensor_parallel.layers, megatron_lora_patch\n"
         "print(json.dumps([megatron_lora_patch.__file__, {r.patch: r.state for r in megatron_lora_patch.status()}]))"
     )
-    result = subprocess.run([str(python), "-P", "-c", code], env=clean_environ(MEGATRON_PLUGINS="lora_correct"),
-                            capture_output=True, text=True, cwd=tmp_path)
+    result = subprocess.run(
+        [str(python), "-P", "-c", code],
+        env=clean_environ(MEGATRON_PLUGINS="lora_correct"),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     module_file, states = json.loads(result.stdout.splitlines()[-1])
     assert module_file == str(source / "megatron_lora_patch" / "__init__.py")  # the checkout, not a wheel
     assert states["lora_linear"] == "applied"
-    result = subprocess.run([str(python), "-P", "-m", "megatron_lora_patch", "status", "--json", "--no-import"],
-                            env=clean_environ(MEGATRON_PLUGINS="lora_correct"), capture_output=True, text=True, cwd=tmp_path)
+    result = subprocess.run(
+        [str(python), "-P", "-m", "megatron_lora_patch", "status", "--json", "--no-import"],
+        env=clean_environ(MEGATRON_PLUGINS="lora_correct"),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout)["startup_hook"] == {
-        "path": str(pathlib.Path(site_packages) / "megatron_lora_patch-init.pth"), "installed": True, "ran_here": True,
+        "path": str(pathlib.Path(site_packages) / "megatron_lora_patch-init.pth"),
+        "installed": True,
+        "ran_here": True,
     }

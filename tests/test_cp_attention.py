@@ -88,7 +88,9 @@ def lora_correct_patches():
         yield
     finally:
         set_active(None)
-        newly_enabled = [row.patch for row in megatron_lora_patch.status() if row.enabled and not enabled_before.get(row.patch)]
+        newly_enabled = [
+            row.patch for row in megatron_lora_patch.status() if row.enabled and not enabled_before.get(row.patch)
+        ]
         megatron_lora_patch.revert(newly_enabled)
 
 
@@ -141,7 +143,9 @@ BROKEN_VARIANTS = ("LocalKeysOnly", "RankOrderKeys", "KeyGradsNotSummed")
 
 
 def _broken_job(variant: str) -> Job:
-    return Job(SPEC, "cp2", dataclasses.replace(SETTINGS, on_model_built=functools.partial(swap_core_attention, variant)))
+    return Job(
+        SPEC, "cp2", dataclasses.replace(SETTINGS, on_model_built=functools.partial(swap_core_attention, variant))
+    )
 
 
 def _run(jobs: dict) -> dict:
@@ -152,7 +156,10 @@ def _run(jobs: dict) -> dict:
 def _canonical(records: list, reference_records: list) -> dict:
     """canonical_result with logical shapes read off the world-1 records (covers adapters too)."""
     reference = reference_records[0]
-    shapes = {reference["shards"][name].logical_name: tuple(tensor.shape) for name, tensor in reference["initial_params"].items()}
+    shapes = {
+        reference["shards"][name].logical_name: tuple(tensor.shape)
+        for name, tensor in reference["initial_params"].items()
+    }
     return canonical_result(records, SPEC, shapes)
 
 
@@ -192,7 +199,11 @@ def _assert_matches(records: list, reference_records: list) -> None:
     failing = {phase: error for phase, error in first.items() if error > TOLERANCE}
     assert not failing, f"first step: relative errors above {TOLERANCE}: {failing} (all: {first})"
     worst = compare_results(result, reference)
-    limits = {**{phase: TOLERANCE for phase in worst}, "grads": AFTER_UPDATE_TOLERANCE, "params": AFTER_UPDATE_TOLERANCE}
+    limits = {
+        **{phase: TOLERANCE for phase in worst},
+        "grads": AFTER_UPDATE_TOLERANCE,
+        "params": AFTER_UPDATE_TOLERANCE,
+    }
     failing = {phase: error for phase, error in worst.items() if error > limits[phase]}
     assert not failing, f"all steps: relative errors above {limits}: {failing} (all: {worst})"
 
@@ -210,7 +221,9 @@ def default_runs() -> dict:
 
 
 def test_cp_runs_the_testbed_attention_and_world1_megatrons(default_runs):
-    assert {record["steps"][0]["extra"]["core_attention"] for record in default_runs["cp2"]} == {"ContextParallelDotProductAttention"}
+    assert {record["steps"][0]["extra"]["core_attention"] for record in default_runs["cp2"]} == {
+        "ContextParallelDotProductAttention"
+    }
     assert default_runs["world1"][0]["steps"][0]["extra"]["core_attention"] == "DotProductAttention"
 
 
@@ -263,7 +276,10 @@ SLOW_TOPOLOGIES = ("cp2-dp2", "tp2-cp2", "tp2-cp2-sp")
 
 @pytest.fixture(scope="module")
 def slow_runs() -> dict:
-    jobs = {"world1": Job(SPEC, "tp1", SETTINGS), "world1-lora": Job(SPEC, "tp1", SETTINGS, context=lora_correct_patches)}
+    jobs = {
+        "world1": Job(SPEC, "tp1", SETTINGS),
+        "world1-lora": Job(SPEC, "tp1", SETTINGS, context=lora_correct_patches),
+    }
     for topology in SLOW_TOPOLOGIES:
         jobs[topology] = Job(SPEC, topology, SETTINGS)
         jobs[topology + "-lora"] = Job(SPEC, topology, SETTINGS, context=lora_correct_patches)

@@ -14,11 +14,19 @@ SPEC = TinyGPTSpec()
 ONLY_CPU_COMPAT = {"cpu_compat": True, "lora_linear": False, "finalize_grads": False, "loss_normalization": False}
 _PATCHED = {
     "torch.cuda": ("current_device", "synchronize", "Stream", "current_stream", "default_stream", "stream"),
-    "megatron.core.tensor_parallel.random": ("_get_cuda_rng_state", "_set_cuda_rng_state", "model_parallel_cuda_manual_seed"),
+    "megatron.core.tensor_parallel.random": (
+        "_get_cuda_rng_state",
+        "_set_cuda_rng_state",
+        "model_parallel_cuda_manual_seed",
+    ),
     "megatron.core.tensor_parallel.random:CudaRNGStatesTracker": ("add", "fork"),
     "megatron.core.tensor_parallel": ("model_parallel_cuda_manual_seed", "all_to_all"),
     "megatron.core.transformer.torch_norm:WrappedTorchNorm": ("__new__",),
-    "megatron.core.tensor_parallel.mappings": ("_gather_along_first_dim", "_reduce_scatter_along_first_dim", "all_to_all"),
+    "megatron.core.tensor_parallel.mappings": (
+        "_gather_along_first_dim",
+        "_reduce_scatter_along_first_dim",
+        "all_to_all",
+    ),
     "megatron.core.transformer.moe.token_dispatcher": ("all_to_all",),
     "megatron.core.optimizer.clip_grads": ("clip_grad_by_total_norm_fp32",),
     "megatron.core.optimizer.optimizer": ("clip_grad_by_total_norm_fp32",),
@@ -79,7 +87,12 @@ def apply_before_import_round_trip(rank, world_size):
     megatron_lora_patch.revert()
     after = _snapshot()
     left_wrapped = [key for key, value in after.items() if isinstance(value, wrapt.FunctionWrapper)]
-    return wrapped_while_applied, left_wrapped, torch.cuda.current_device is current_device, after["torch", "function modes"]
+    return (
+        wrapped_while_applied,
+        left_wrapped,
+        torch.cuda.current_device is current_device,
+        after["torch", "function modes"],
+    )
 
 
 def skipped_when_cuda_is_available(rank, world_size):
@@ -173,7 +186,11 @@ def test_tp2_sp_grads_equal_world1_and_need_the_norm_tag(world1_grads):
 def test_tp2_sp_fails_without_the_torch_norm_fix():
     with pytest.raises(WorldError, match="sequence parallel not supported by torch"):
         run_world(
-            tp2_sp_grads, 2, args=("tp2-sp",), kwargs={"skip_hook": "megatron.core.transformer.torch_norm"}, name="tp2-sp"
+            tp2_sp_grads,
+            2,
+            args=("tp2-sp",),
+            kwargs={"skip_hook": "megatron.core.transformer.torch_norm"},
+            name="tp2-sp",
         )
 
 

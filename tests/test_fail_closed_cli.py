@@ -37,11 +37,18 @@ def saved(tmp_path_factory):
     peft_dir = root / "peft"
     done = export(result["paths"]["adapters"], peft_dir)
     assert done.returncode == 0 and done.stdout == f"wrote {PEFT_TENSORS} tensors to {peft_dir}\n", done.stderr[-3000:]
-    return {"root": root, "peft": peft_dir, "result": result, **{k: pathlib.Path(v) for k, v in result["paths"].items()}}
+    return {
+        "root": root,
+        "peft": peft_dir,
+        "result": result,
+        **{k: pathlib.Path(v) for k, v in result["paths"].items()},
+    }
 
 
 def export(checkpoint, out, *options: str):
-    return run_fresh(["-m", "megatron_lora_patch", "export", "--checkpoint", str(checkpoint), "--out", str(out), *options])
+    return run_fresh(
+        ["-m", "megatron_lora_patch", "export", "--checkpoint", str(checkpoint), "--out", str(out), *options]
+    )
 
 
 def tree(directory: pathlib.Path) -> dict:
@@ -178,8 +185,9 @@ def test_checkpoint_without_its_common_state_names_common_pt(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     checkpoint = tmp_path / "iter_0000002"
-    dcp.save({"decoder.layers.self_attention.linear_qkv.lora.A": torch.zeros(2, 4)}, checkpoint_id=checkpoint,
-             no_dist=True)
+    dcp.save(
+        {"decoder.layers.self_attention.linear_qkv.lora.A": torch.zeros(2, 4)}, checkpoint_id=checkpoint, no_dist=True
+    )
     (checkpoint / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
     message = (
         f"--checkpoint {checkpoint} has no common state: common.pt is missing (the checkpoint was copied or "
@@ -191,7 +199,10 @@ def test_checkpoint_without_its_common_state_names_common_pt(tmp_path):
 def test_missing_out_is_an_argparse_usage_error(saved):
     result = run_fresh(["-m", "megatron_lora_patch", "export", "--checkpoint", str(saved["adapters"])])
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.splitlines()[-1] == "megatron-lora-patch export: error: the following arguments are required: --out"
+    assert (
+        result.stderr.splitlines()[-1]
+        == "megatron-lora-patch export: error: the following arguments are required: --out"
+    )
 
 
 def test_force_replaces_a_non_empty_out_and_an_empty_out_is_used(saved, tmp_path):
@@ -221,7 +232,10 @@ def test_save_adapters_refuses_a_base_checkpoint_and_leaves_it_intact(saved):
 def test_save_adapters_overwrite_replaces_the_old_checkpoint(saved, tmp_path):
     done = export(saved["replaced"], tmp_path / "peft")
     assert done.returncode == 0, done.stderr[-3000:]
-    first, second = load_file(saved["peft"] / peft_names.WEIGHTS_NAME), load_file(tmp_path / "peft" / peft_names.WEIGHTS_NAME)
+    first, second = (
+        load_file(saved["peft"] / peft_names.WEIGHTS_NAME),
+        load_file(tmp_path / "peft" / peft_names.WEIGHTS_NAME),
+    )
     assert first.keys() == second.keys() and len(first) == PEFT_TENSORS
     for key, value in first.items():
         factor = 2 if ".lora_B." in key else 1

@@ -82,7 +82,11 @@ CONFIG_FILE_ERRORS = {
         "MEGATRON_LORA_CONFIG ({path}): invalid JSON: Expecting property name enclosed in double quotes: "
         "line 1 column 2 (char 1)",
     ),
-    "toml_syntax": ("broken.toml", "rank = = 4\n", "MEGATRON_LORA_CONFIG ({path}): invalid TOML: Invalid value (at line 1, column 8)"),
+    "toml_syntax": (
+        "broken.toml",
+        "rank = = 4\n",
+        "MEGATRON_LORA_CONFIG ({path}): invalid TOML: Invalid value (at line 1, column 8)",
+    ),
     "unknown_key": (
         "typo.toml",
         "rnak = 8\n",
@@ -93,7 +97,11 @@ CONFIG_FILE_ERRORS = {
         "[lora]\nrank = 8\n",
         f"MEGATRON_LORA_CONFIG ({{path}}): unknown key 'lora' (did you mean 'rslora'?); accepted keys: {ACCEPTED_KEYS}",
     ),
-    "top_level_list": ("list.json", "[1]", "MEGATRON_LORA_CONFIG ({path}): the top level must be a table of settings, got list"),
+    "top_level_list": (
+        "list.json",
+        "[1]",
+        "MEGATRON_LORA_CONFIG ({path}): the top level must be a table of settings, got list",
+    ),
     "bad_rank": ("rank.toml", "rank = -2\n", "rank in {path} must be a positive integer, got -2"),
     "rank_as_list": ("rank.json", '{"rank": [4]}', "rank in {path} must be a positive integer, got [4]"),
     "empty_targets": (
@@ -129,8 +137,11 @@ def test_empty_values_mean_unset():
     "variable, value, message",
     [
         ("MEGATRON_LORA_RANK", "abc", "MEGATRON_LORA_RANK must be a positive integer, got 'abc'"),
-        ("MEGATRON_LORA_CONFIG", "/nonexistent/lora.toml", "MEGATRON_LORA_CONFIG (/nonexistent/lora.toml): cannot "
-         "read the file: No such file or directory"),
+        (
+            "MEGATRON_LORA_CONFIG",
+            "/nonexistent/lora.toml",
+            "MEGATRON_LORA_CONFIG (/nonexistent/lora.toml): cannot read the file: No such file or directory",
+        ),
     ],
 )
 def test_bad_value_stops_import_megatron(variable, value, message):
@@ -276,6 +287,10 @@ def test_a_pipeline_stage_checks_entries_against_the_whole_model():
     assert whole == {
         "decoder.layers.0.self_attention.linear_qkv",
         "decoder.layers.1.self_attention.linear_qkv",
-        *(f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc1" for layer in range(2) for expert in range(4)),
+        *(
+            f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc1"
+            for layer in range(2)
+            for expert in range(4)
+        ),
         "output_layer",
     }

@@ -47,8 +47,14 @@ BAD_INPUTS = {
         ["--json", "/etc/hostname/r.json"],
         "--json /etc/hostname/r.json: /etc/hostname is not a directory; create the directory or choose another path",
     ),
-    "json-is-a-directory": (["--json", "/tmp"], "--json /tmp: is a directory; give a file path such as /tmp/oracle.out"),
-    "plot-not-png": (["--plot", "/tmp/heat.txt"], "--plot /tmp/heat.txt: the heat map is a PNG; give a path ending in .png"),
+    "json-is-a-directory": (
+        ["--json", "/tmp"],
+        "--json /tmp: is a directory; give a file path such as /tmp/oracle.out",
+    ),
+    "plot-not-png": (
+        ["--plot", "/tmp/heat.txt"],
+        "--plot /tmp/heat.txt: the heat map is a PNG; give a path ending in .png",
+    ),
     "plot-missing-dir": (
         ["--plot", "/nonexistent-dir/heat.png"],
         "--plot /nonexistent-dir/heat.png: /nonexistent-dir does not exist; create the directory or choose another path",
@@ -184,7 +190,9 @@ def test_failed_reference_is_a_verdict_and_a_traceback_tail(tmp_path):
     result = run_fresh(["-c", REFERENCE_CRASH, str(report_path)], PYTHONPATH=str(pathlib.Path(__file__).parent))
     lines = result.stdout.strip().splitlines()
     assert result.returncode == 1, result.stdout + result.stderr[-2000:]
-    assert lines[-1].startswith("FAIL: the world-1 reference run of the dense model failed, so nothing was compared ("), lines
+    assert lines[-1].startswith(
+        "FAIL: the world-1 reference run of the dense model failed, so nothing was compared ("
+    ), lines
     assert "RuntimeError: injected failure in the reference" in result.stdout
     assert len(lines) <= 20 and "ranks  model" not in result.stdout  # a tail, not 400 lines; no table
     document = json.loads(report_path.read_text())
@@ -199,7 +207,9 @@ def test_steps_10_passes_on_tp2_quietly_with_a_titled_table(tmp_path):
     result = run_fresh(ORACLE + ["--topologies", "tp2,tp2-sp", "--steps", "10", "--json", str(report_path)])
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("relative L2 error vs world-1, ||run - world1|| / ||world1||, of the worst tensor"), lines
+    assert lines[0].startswith("relative L2 error vs world-1, ||run - world1|| / ||world1||, of the worst tensor"), (
+        lines
+    )
     assert lines[1] == (
         "dtype fp32, 10 steps, seed 1234; models dense: 4 layers, hidden 64, 8 heads / 4 query groups, seq 16"
     )

@@ -48,59 +48,82 @@ def fake_megatron(root: pathlib.Path, version: str, layers: bool = False) -> str
 
 # -- configuration mistakes: stop at `import megatron`, before Megatron runs ------------------------
 CONFIGURATION = {
-    "plugin typo": ({"MEGATRON_PLUGINS": "lora_corect"},
-                    "MEGATRON_PLUGINS names unknown plugin 'lora_corect'; did you mean 'lora_correct'?"),
-    "plugin with a dash": ({"MEGATRON_PLUGINS": "lora-correct"},
-                           "MEGATRON_PLUGINS names unknown plugin 'lora-correct'; did you mean 'lora_correct'?"),
-    "plugin in capitals": ({"MEGATRON_PLUGINS": "LORA_CORRECT"},
-                           "MEGATRON_PLUGINS names unknown plugin 'LORA_CORRECT'; did you mean 'lora_correct'?"),
+    "plugin typo": (
+        {"MEGATRON_PLUGINS": "lora_corect"},
+        "MEGATRON_PLUGINS names unknown plugin 'lora_corect'; did you mean 'lora_correct'?",
+    ),
+    "plugin with a dash": (
+        {"MEGATRON_PLUGINS": "lora-correct"},
+        "MEGATRON_PLUGINS names unknown plugin 'lora-correct'; did you mean 'lora_correct'?",
+    ),
+    "plugin in capitals": (
+        {"MEGATRON_PLUGINS": "LORA_CORRECT"},
+        "MEGATRON_PLUGINS names unknown plugin 'LORA_CORRECT'; did you mean 'lora_correct'?",
+    ),
     "plugins separated by a blank": (
         {"MEGATRON_PLUGINS": "lora_correct other"},
         "MEGATRON_PLUGINS names unknown plugin 'lora_correct other' (separate names with commas); "
-        "did you mean 'lora_correct'?"),
+        "did you mean 'lora_correct'?",
+    ),
     "patch flag not a boolean": (
         {"MEGATRON_LORA_PATCH_LORA_LINEAR": "maybe"},
-        f"MEGATRON_LORA_PATCH_LORA_LINEAR must be one of {BOOLEANS}; got 'maybe'"),
-    "strict not a boolean": ({"MEGATRON_LORA_STRICT": "maybe"},
-                             f"MEGATRON_LORA_STRICT must be one of {BOOLEANS}; got 'maybe'"),
-    "allow-untested not a boolean": ({"MEGATRON_LORA_ALLOW_UNTESTED": "sometimes"},
-                                     f"MEGATRON_LORA_ALLOW_UNTESTED must be one of {BOOLEANS}; got 'sometimes'"),
-    "force flag not a boolean": ({"MEGATRON_LORA_CPU_COMPAT_FORCE": "maybe"},
-                                 f"MEGATRON_LORA_CPU_COMPAT_FORCE must be one of {BOOLEANS}; got 'maybe'"),
+        f"MEGATRON_LORA_PATCH_LORA_LINEAR must be one of {BOOLEANS}; got 'maybe'",
+    ),
+    "strict not a boolean": (
+        {"MEGATRON_LORA_STRICT": "maybe"},
+        f"MEGATRON_LORA_STRICT must be one of {BOOLEANS}; got 'maybe'",
+    ),
+    "allow-untested not a boolean": (
+        {"MEGATRON_LORA_ALLOW_UNTESTED": "sometimes"},
+        f"MEGATRON_LORA_ALLOW_UNTESTED must be one of {BOOLEANS}; got 'sometimes'",
+    ),
+    "force flag not a boolean": (
+        {"MEGATRON_LORA_CPU_COMPAT_FORCE": "maybe"},
+        f"MEGATRON_LORA_CPU_COMPAT_FORCE must be one of {BOOLEANS}; got 'maybe'",
+    ),
     "old force flag name": (
         {"MEGATRON_LORA_PATCH_CPU_COMPAT_FORCE": "1"},
-        "MEGATRON_LORA_PATCH_CPU_COMPAT_FORCE was renamed MEGATRON_LORA_CPU_COMPAT_FORCE; set that instead"),
+        "MEGATRON_LORA_PATCH_CPU_COMPAT_FORCE was renamed MEGATRON_LORA_CPU_COMPAT_FORCE; set that instead",
+    ),
     "disabled patch typo": (
         {"MEGATRON_LORA_DISABLED_PATCHES": "lora_linaer"},
-        "MEGATRON_LORA_DISABLED_PATCHES names unknown patch 'lora_linaer'; did you mean 'lora_linear'?"),
+        "MEGATRON_LORA_DISABLED_PATCHES names unknown patch 'lora_linaer'; did you mean 'lora_linear'?",
+    ),
     "disabled patches separated by a blank": (
         {"MEGATRON_LORA_DISABLED_PATCHES": "finalize_grads loss_normalization"},
         "MEGATRON_LORA_DISABLED_PATCHES names unknown patch 'finalize_grads loss_normalization' "
-        "(separate names with commas); did you mean 'loss_normalization'?"),
+        "(separate names with commas); did you mean 'loss_normalization'?",
+    ),
     "patch flag names no patch": (
         {"MEGATRON_LORA_PATCH_LORA_LINAER": "0"},
-        "MEGATRON_LORA_PATCH_LORA_LINAER names no known patch; did you mean MEGATRON_LORA_PATCH_LORA_LINEAR?"),
+        "MEGATRON_LORA_PATCH_LORA_LINAER names no known patch; did you mean MEGATRON_LORA_PATCH_LORA_LINEAR?",
+    ),
     "cpu_compat flag without its plugin": (  # the CPU support is the cpu_testbed plugin (issue 27)
         {"MEGATRON_LORA_PATCH_CPU_COMPAT": "1"},
         "MEGATRON_LORA_PATCH_CPU_COMPAT names cpu_compat, a patch of the cpu_testbed plugin, which MEGATRON_PLUGINS "
         "does not name; add the plugin (MEGATRON_PLUGINS=lora_correct,cpu_testbed turns cpu_compat on) or unset "
-        "MEGATRON_LORA_PATCH_CPU_COMPAT"),
+        "MEGATRON_LORA_PATCH_CPU_COMPAT",
+    ),
     "cpu_compat disabled without its plugin": (
         {"MEGATRON_LORA_DISABLED_PATCHES": "cpu_compat"},
         "MEGATRON_LORA_DISABLED_PATCHES names cpu_compat, a patch of the cpu_testbed plugin, which MEGATRON_PLUGINS "
         "does not name; add the plugin (MEGATRON_PLUGINS=lora_correct,cpu_testbed turns cpu_compat on) or drop "
-        "cpu_compat from MEGATRON_LORA_DISABLED_PATCHES"),
+        "cpu_compat from MEGATRON_LORA_DISABLED_PATCHES",
+    ),
     "runtime variable typo": (
         {"MEGATRON_LORA_STRCT": "1"},
-        "MEGATRON_LORA_STRCT is not a variable megatron-lora-patch reads; did you mean MEGATRON_LORA_STRICT?"),
+        "MEGATRON_LORA_STRCT is not a variable megatron-lora-patch reads; did you mean MEGATRON_LORA_STRICT?",
+    ),
     "disabled variable typo": (
         {"MEGATRON_LORA_DISABLED_PATCHS": "lora_linear"},
         "MEGATRON_LORA_DISABLED_PATCHS is not a variable megatron-lora-patch reads; "
-        "did you mean MEGATRON_LORA_DISABLED_PATCHES?"),
+        "did you mean MEGATRON_LORA_DISABLED_PATCHES?",
+    ),
     "forced on and disabled": (
         {"MEGATRON_LORA_PATCH_LORA_LINEAR": "1", "MEGATRON_LORA_DISABLED_PATCHES": "lora_linear"},
         "MEGATRON_LORA_PATCH_LORA_LINEAR turns lora_linear on but MEGATRON_LORA_DISABLED_PATCHES lists it; "
-        "remove one of the two"),
+        "remove one of the two",
+    ),
 }
 
 
@@ -112,8 +135,17 @@ def test_configuration_mistake_stops_import(case):
     assert result.stdout == ""
 
 
-@pytest.mark.parametrize("case", ["plugin typo", "patch flag not a boolean", "runtime variable typo",
-                                  "old force flag name", "disabled patch typo", "cpu_compat flag without its plugin"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "plugin typo",
+        "patch flag not a boolean",
+        "runtime variable typo",
+        "old force flag name",
+        "disabled patch typo",
+        "cpu_compat flag without its plugin",
+    ],
+)
 def test_status_reports_the_same_mistake_with_exit_2(case):
     env, message = CONFIGURATION[case]
     result = run_fresh(STATUS, **{"MEGATRON_PLUGINS": "lora_correct", **env})
@@ -135,8 +167,12 @@ def test_unknown_variable_without_a_close_name_lists_the_known_ones():
     assert (result.returncode, len(lines), "Traceback" in result.stderr) == (1, 1, False), result.stderr
     head = "megatron-lora-patch: error: MEGATRON_LORA_XYZZY is not a variable megatron-lora-patch reads; known: "
     assert lines[0].startswith(head)
-    assert {"MEGATRON_LORA_ALLOW_UNTESTED", "MEGATRON_LORA_CPU_COMPAT_FORCE", "MEGATRON_LORA_STRICT",
-            "MEGATRON_LORA_PATCH_LORA_LINEAR"} <= set(lines[0][len(head):].split(", "))
+    assert {
+        "MEGATRON_LORA_ALLOW_UNTESTED",
+        "MEGATRON_LORA_CPU_COMPAT_FORCE",
+        "MEGATRON_LORA_STRICT",
+        "MEGATRON_LORA_PATCH_LORA_LINEAR",
+    } <= set(lines[0][len(head) :].split(", "))
 
 
 def test_lora_variable_typo_suggests_the_lora_variable():
@@ -167,8 +203,16 @@ def test_broken_requested_plugin_stops_import():
 
 def test_empty_means_unset_and_the_patches_apply():
     code = "import megatron.core.tensor_parallel.layers as layers, wrapt; print(isinstance(layers.linear_with_frozen_weight, wrapt.FunctionWrapper))"
-    empty = dict.fromkeys(("MEGATRON_LORA_STRICT", "MEGATRON_LORA_PATCH_LORA_LINEAR", "MEGATRON_LORA_DISABLED_PATCHES",
-                           "MEGATRON_LORA_XYZZY", "MEGATRON_LORA_ALLOW_UNTESTED"), "")
+    empty = dict.fromkeys(
+        (
+            "MEGATRON_LORA_STRICT",
+            "MEGATRON_LORA_PATCH_LORA_LINEAR",
+            "MEGATRON_LORA_DISABLED_PATCHES",
+            "MEGATRON_LORA_XYZZY",
+            "MEGATRON_LORA_ALLOW_UNTESTED",
+        ),
+        "",
+    )
     result = run_fresh(["-c", code], MEGATRON_PLUGINS="lora_correct", **empty)
     assert (result.returncode, result.stdout.strip()) == (0, "True"), result.stderr[-2000:]
 
@@ -200,8 +244,12 @@ def test_status_with_an_empty_plugins_option_is_one_line_exit_2(environ):
 
 # -- a patch that cannot be delivered: stop when its target is imported -------------------------------
 def test_failing_demo_patch_stops_its_import():
-    result = run_fresh(["-c", "import megatron, demo_target; print('imported')"], MEGATRON_PLUGINS="demo",
-                       MEGATRON_LORA_PATCH_DEMO_BROKEN="1", PYTHONPATH=str(PLUGIN_FIXTURES))
+    result = run_fresh(
+        ["-c", "import megatron, demo_target; print('imported')"],
+        MEGATRON_PLUGINS="demo",
+        MEGATRON_LORA_PATCH_DEMO_BROKEN="1",
+        PYTHONPATH=str(PLUGIN_FIXTURES),
+    )
     assert_one_line_error(
         result,
         "patch demo_broken failed on demo_target, nothing of it is applied: RuntimeError: boom half way; "
@@ -225,8 +273,12 @@ def test_failing_lora_linear_stops_import_of_megatron_core(tmp_path):
 
 def test_disabling_the_failing_patch_by_name_runs(tmp_path):
     checkout = fake_megatron(tmp_path, INSTALLED, layers=True)
-    result = run_fresh(IMPORT, MEGATRON_PLUGINS="lora_correct", PYTHONPATH=checkout,
-                       MEGATRON_LORA_DISABLED_PATCHES="lora_linear,lora_checkpoint,finalize_grads")
+    result = run_fresh(
+        IMPORT,
+        MEGATRON_PLUGINS="lora_correct",
+        PYTHONPATH=checkout,
+        MEGATRON_LORA_DISABLED_PATCHES="lora_linear,lora_checkpoint,finalize_grads",
+    )
     assert (result.returncode, result.stdout, result.stderr) == (0, "imported\n", "")
 
 
@@ -244,16 +296,22 @@ def test_checkout_over_an_installed_wheel_is_detected_when_activated_first(tmp_p
 
 
 def test_checkout_over_an_installed_wheel_is_detected_when_imported_first(tmp_path):
-    code = ("import megatron.core, megatron_lora_patch, megatron_lora_patch.runtime.errors as errors\n"
-            "errors.install_excepthook()\n"
-            "megatron_lora_patch.apply(['lora_correct'])\n")
+    code = (
+        "import megatron.core, megatron_lora_patch, megatron_lora_patch.runtime.errors as errors\n"
+        "errors.install_excepthook()\n"
+        "megatron_lora_patch.apply(['lora_correct'])\n"
+    )
     result = run_fresh(["-c", code], PYTHONPATH=fake_megatron(tmp_path, "0.99.0"))
     assert_one_line_error(result, UNTESTED.format(version="0.99.0"))
 
 
 def test_allow_untested_applies_with_one_warning_per_patch(tmp_path):
-    result = run_fresh(IMPORT, MEGATRON_PLUGINS="lora_correct", MEGATRON_LORA_ALLOW_UNTESTED="1",
-                       PYTHONPATH=fake_megatron(tmp_path, "0.99.0"))
+    result = run_fresh(
+        IMPORT,
+        MEGATRON_PLUGINS="lora_correct",
+        MEGATRON_LORA_ALLOW_UNTESTED="1",
+        PYTHONPATH=fake_megatron(tmp_path, "0.99.0"),
+    )
     assert (result.returncode, result.stdout) == (0, "imported\n"), result.stderr
     assert result.stderr.splitlines() == [
         f"megatron-lora-patch: untested: megatron-core 0.99.0 is outside the tested range {TESTED} of patch "
@@ -276,8 +334,9 @@ def test_status_shows_an_untested_checkout_and_exits_1(tmp_path):
 
 
 def test_status_shows_a_failing_patch_and_exits_1():
-    code, document = status_json(MEGATRON_PLUGINS="demo", MEGATRON_LORA_PATCH_DEMO_BROKEN="1",
-                                 PYTHONPATH=str(PLUGIN_FIXTURES))
+    code, document = status_json(
+        MEGATRON_PLUGINS="demo", MEGATRON_LORA_PATCH_DEMO_BROKEN="1", PYTHONPATH=str(PLUGIN_FIXTURES)
+    )
     rows = {row["patch"]: row for row in document["patches"]}
     assert code == 1
     assert (rows["demo_broken"]["state"], rows["demo_broken"]["detail"]) == ("failed", "RuntimeError: boom half way")

@@ -38,8 +38,14 @@ def grad_tolerance(dp: int) -> float:
 def logical_tensors(seed: int = 7) -> dict:
     """The full (world-size-1) weights and adapters; B non-zero so every factor gets a grad."""
     g = torch.Generator().manual_seed(seed)
-    shapes = {"w1": (HIDDEN, IN), "w2": (OUT, HIDDEN), "a1": (RANK_R, IN), "b1": (HIDDEN, RANK_R),
-              "a2": (RANK_R, HIDDEN), "b2": (OUT, RANK_R)}
+    shapes = {
+        "w1": (HIDDEN, IN),
+        "w2": (OUT, HIDDEN),
+        "a1": (RANK_R, IN),
+        "b1": (HIDDEN, RANK_R),
+        "a2": (RANK_R, HIDDEN),
+        "b2": (OUT, RANK_R),
+    }
     return {name: torch.randn(shape, generator=g) * 0.5 for name, shape in shapes.items()}
 
 
@@ -50,7 +56,9 @@ def global_batch(dp: int, seed: int = 11) -> list:
     for index in range(dp * MICROBATCHES_PER_DP_RANK):
         mask = torch.zeros(SEQ)
         mask[: 1 + (index * 3) % SEQ] = 1.0
-        samples.append({"x": torch.randn(SEQ, IN, generator=g), "target": torch.randn(SEQ, OUT, generator=g), "mask": mask})
+        samples.append(
+            {"x": torch.randn(SEQ, IN, generator=g), "target": torch.randn(SEQ, OUT, generator=g), "mask": mask}
+        )
     return samples
 
 
@@ -94,8 +102,9 @@ class TinyLoRAPair(torch.nn.Module):
         tp, rank = tp_group.size(), tp_group.rank()
         init = torch.nn.init.zeros_
         self.col = ColumnParallelLinear(IN, HIDDEN, config=config, init_method=init, bias=False, gather_output=False)
-        self.row = RowParallelLinear(HIDDEN, OUT, config=config, init_method=init, bias=False,
-                                     input_is_parallel=True, skip_bias_add=True)
+        self.row = RowParallelLinear(
+            HIDDEN, OUT, config=config, init_method=init, bias=False, input_is_parallel=True, skip_bias_add=True
+        )
         shard = slice(rank * HIDDEN // tp, (rank + 1) * HIDDEN // tp)
         with torch.no_grad():
             self.col.weight.copy_(logical["w1"][shard])
@@ -106,11 +115,19 @@ class TinyLoRAPair(torch.nn.Module):
         self.b1 = torch.nn.Parameter(logical["b1"][shard].clone())
         self.a2 = torch.nn.Parameter(logical["a2"][:, shard].clone())
         self.b2 = torch.nn.Parameter(logical["b2"].clone())
-        for name, module, factor, replicated, dim in (("a1", "col", "A", True, None), ("b1", "col", "B", False, 0),
-                                                      ("a2", "row", "A", False, 1), ("b2", "row", "B", True, None)):
+        for name, module, factor, replicated, dim in (
+            ("a1", "col", "A", True, None),
+            ("b1", "col", "B", False, 0),
+            ("a2", "row", "A", False, 1),
+            ("b2", "row", "B", True, None),
+        ):
             param = getattr(self, name)
-            tag(param, AdapterParamInfo(module=module, factor=factor, replicated=replicated, domain="tp",
-                                        group=tp_group, expert=False))
+            tag(
+                param,
+                AdapterParamInfo(
+                    module=module, factor=factor, replicated=replicated, domain="tp", group=tp_group, expert=False
+                ),
+            )
             if not replicated:  # Megatron's grad-norm attributes for sharded factors only
                 param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
         self.model_type = ModelType.encoder_or_decoder
@@ -127,12 +144,17 @@ class TinyLoRAPair(torch.nn.Module):
         sp = self.config.sequence_parallel
         x = mappings.scatter_to_sequence_parallel_region(x.unsqueeze(1)) if sp else x.unsqueeze(1)
         h, _ = self.col(x)
-        lora_in = mappings.gather_from_sequence_parallel_region(x) if sp else mappings.copy_to_tensor_model_parallel_region(x)
+        lora_in = (
+            mappings.gather_from_sequence_parallel_region(x) if sp else mappings.copy_to_tensor_model_parallel_region(x)
+        )
         h = h + (lora_in @ self.a1.T) @ self.b1.T
         y, _ = self.row(h)
         lora_out = (h @ self.a2.T) @ self.b2.T
-        y = y + (mappings.reduce_scatter_to_sequence_parallel_region(lora_out) if sp
-                 else mappings.reduce_from_tensor_model_parallel_region(lora_out))
+        y = y + (
+            mappings.reduce_scatter_to_sequence_parallel_region(lora_out)
+            if sp
+            else mappings.reduce_from_tensor_model_parallel_region(lora_out)
+        )
         if sp:
             y = mappings.gather_from_sequence_parallel_region(y, tensor_parallel_output_grad=False)
         return y.squeeze(1)
@@ -151,9 +173,15 @@ def build_ddp_model(tp: int, sequence_parallel: bool = False):
     import megatron.core.distributed as distributed
     from megatron.core.transformer import TransformerConfig
 
-    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, tensor_model_parallel_size=tp,
-                               sequence_parallel=sequence_parallel, use_cpu_initialization=True,
-                               perform_initialization=False)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=2,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+    )
     module = TinyLoRAPair(config, logical_tensors())
     ddp_config = distributed.DistributedDataParallelConfig(average_in_collective=True)
     model = distributed.DistributedDataParallel(config, ddp_config, module)
@@ -190,9 +218,15 @@ def train_step(model, samples: list, loss_func=sum_loss_func) -> dict:
         sample = next(data_iterator)
         return model_chunk(sample["x"]), functools.partial(loss_func, sample["mask"])
 
-    reports = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=batches, model=[model],
-                                          num_microbatches=len(samples), seq_length=SEQ, micro_batch_size=1,
-                                          forward_only=False)
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=batches,
+        model=[model],
+        num_microbatches=len(samples),
+        seq_length=SEQ,
+        micro_batch_size=1,
+        forward_only=False,
+    )
     summed = torch.stack([report["lm loss"] for report in reports]).sum(0)
     torch.distributed.all_reduce(summed, group=parallel_state.get_data_parallel_group())
     grads = {name: param.main_grad.clone() for name, param in model.module.named_parameters() if param.requires_grad}
@@ -228,8 +262,12 @@ def _tp2_rank(rank: int, world_size: int, sequence_parallel: bool) -> dict:
         samples = samples_of_dp_rank(global_batch(1), 0, 1)
         model, config = build_ddp_model(tp=2, sequence_parallel=sequence_parallel)
         patched = train_step(model, samples)
-        result = {"rank": rank, "patched": gather_logical(patched["grads"]), "report": patched["report"],
-                  "grad_norm": grad_norm_of(model, config)}
+        result = {
+            "rank": rank,
+            "patched": gather_logical(patched["grads"]),
+            "report": patched["report"],
+            "grad_norm": grad_norm_of(model, config),
+        }
         result["buckets"] = count_extension_all_reduces(model)
         result["mixed_dtype"] = mixed_dtype_buckets()
         apply_patches(finalize=False, loss=True)
@@ -277,14 +315,28 @@ def mixed_dtype_buckets() -> dict:
     single = parallel_state.get_data_parallel_group()  # size 1 in a TP2 world: must be skipped
     rank = torch.distributed.get_rank()
     module = torch.nn.Module()
-    specs = {"f32": (torch.float32, tp_group), "f32b": (torch.float32, tp_group), "bf16": (torch.bfloat16, tp_group),
-             "solo": (torch.float32, single), "expert": (torch.float32, expert_tp_group)}
+    specs = {
+        "f32": (torch.float32, tp_group),
+        "f32b": (torch.float32, tp_group),
+        "bf16": (torch.bfloat16, tp_group),
+        "solo": (torch.float32, single),
+        "expert": (torch.float32, expert_tp_group),
+    }
     for name, (dtype, group) in specs.items():
         param = torch.nn.Parameter(torch.zeros(3, dtype=dtype))
         param.grad = torch.full((3,), (1.0 + rank) * (1 + 1 / 128), dtype=dtype)  # exact in bf16 and fp32
         expert = group is expert_tp_group
-        tag(param, AdapterParamInfo(module=name, factor="A", replicated=True, domain="expert_tp" if expert else "tp",
-                                    group=group, expert=expert))
+        tag(
+            param,
+            AdapterParamInfo(
+                module=name,
+                factor="A",
+                replicated=True,
+                domain="expert_tp" if expert else "tp",
+                group=group,
+                expert=expert,
+            ),
+        )
         module.register_parameter(name, param)
     calls = []
     original = torch.distributed.all_reduce
@@ -293,11 +345,15 @@ def mixed_dtype_buckets() -> dict:
         sum_replicated_adapter_grads([module])
     finally:
         torch.distributed.all_reduce = original
-    same_ranks = (torch.distributed.get_process_group_ranks(expert_tp_group)
-                  == torch.distributed.get_process_group_ranks(tp_group))
-    return {"calls": calls, "grads": {name: p.grad.float() for name, p in module.named_parameters()},
-            "expert_tp_is_tp_ranks_other_group": same_ranks and expert_tp_group is not tp_group,
-            "dtypes": {name: p.grad.dtype for name, p in module.named_parameters()}}
+    same_ranks = torch.distributed.get_process_group_ranks(
+        expert_tp_group
+    ) == torch.distributed.get_process_group_ranks(tp_group)
+    return {
+        "calls": calls,
+        "grads": {name: p.grad.float() for name, p in module.named_parameters()},
+        "expert_tp_is_tp_ranks_other_group": same_ranks and expert_tp_group is not tp_group,
+        "dtypes": {name: p.grad.dtype for name, p in module.named_parameters()},
+    }
 
 
 def missing_finalize_reports(model, config, samples) -> dict:
@@ -355,8 +411,11 @@ def test_without_the_patch_replicated_factor_grads_are_partial(tp2, tp1_referenc
         partial = {name: relative_l2_error(rank_result["unpatched"][name], expected[name]) for name in REPLICATED}
         assert min(partial.values()) > 100 * grad_tolerance(dp=1), partial
         # sharded factors never needed the extension
-        assert_all_within({name: rank_result["unpatched"][name] for name in SHARDED},
-                          {name: expected[name] for name in SHARDED}, grad_tolerance(dp=1))
+        assert_all_within(
+            {name: rank_result["unpatched"][name] for name in SHARDED},
+            {name: expected[name] for name in SHARDED},
+            grad_tolerance(dp=1),
+        )
 
 
 def test_grad_norm_matches_world1(tp2, tp1_reference):

@@ -12,39 +12,108 @@ BOOLEANS = "1, true, yes, on, 0, false, no, off"
 @pytest.mark.parametrize(
     "environ, plugins, enable, error, message",
     [
-        ({"MEGATRON_LORA_PATCH_DEMO_SHOUT": "maybe"}, ["demo"], None, FlagError,
-         f"MEGATRON_LORA_PATCH_DEMO_SHOUT must be one of {BOOLEANS}; got 'maybe'"),
-        ({"MEGATRON_LORA_STRICT": "2"}, ["demo"], None, FlagError,
-         f"MEGATRON_LORA_STRICT must be one of {BOOLEANS}; got '2'"),
-        ({"MEGATRON_LORA_DISABLED_PATCHES": "nope"}, ["demo"], None, FlagError,
-         f"MEGATRON_LORA_DISABLED_PATCHES names unknown patch 'nope'; known: {KNOWN}"),
-        ({"MEGATRON_LORA_DISABLED_PATCHES": "demo_shout demo_optional"}, ["demo"], None, FlagError,
-         "MEGATRON_LORA_DISABLED_PATCHES names unknown patch 'demo_shout demo_optional' (separate names with "
-         "commas); did you mean 'demo_optional'?"),
-        ({"MEGATRON_LORA_PATCH_DEMO_SHOUTT": "1"}, ["demo"], None, FlagError,
-         "MEGATRON_LORA_PATCH_DEMO_SHOUTT names no known patch; did you mean MEGATRON_LORA_PATCH_DEMO_SHOUT?"),
-        ({"MEGATRON_LORA_PATCH_XYZZY": "1"}, ["demo"], None, FlagError,
-         "MEGATRON_LORA_PATCH_XYZZY names no known patch; known: MEGATRON_LORA_PATCH_DEMO_BROKEN, "
-         "MEGATRON_LORA_PATCH_DEMO_FUTURE, MEGATRON_LORA_PATCH_DEMO_OPTIONAL, MEGATRON_LORA_PATCH_DEMO_SHOUT, "
-         "MEGATRON_LORA_PATCH_DEMO_UPSTREAM"),
-        ({"MEGATRON_LORA_STRCT": "1"}, ["demo"], None, FlagError,
-         "MEGATRON_LORA_STRCT is not a variable megatron-lora-patch reads; did you mean MEGATRON_LORA_STRICT?"),
-        ({"MEGATRON_LORA_ALLOW_UNTESTED": "perhaps"}, ["demo"], None, FlagError,
-         f"MEGATRON_LORA_ALLOW_UNTESTED must be one of {BOOLEANS}; got 'perhaps'"),
-        ({"MEGATRON_LORA_PATCH_DEMO_SHOUT": "1", "MEGATRON_LORA_DISABLED_PATCHES": "demo_shout"}, ["demo"], None,
-         FlagError,
-         "MEGATRON_LORA_PATCH_DEMO_SHOUT turns demo_shout on but MEGATRON_LORA_DISABLED_PATCHES lists it; "
-         "remove one of the two"),
-        ({}, ["demo"], {"demo_shot": True}, FlagError,
-         "the `enable` argument names unknown patch 'demo_shot'; did you mean 'demo_shout'?"),
-        ({"MEGATRON_PLUGINS": "nope"}, None, None, registry.PluginError,
-         "MEGATRON_PLUGINS names unknown plugin 'nope'; known: canary, cpu_testbed, demo, lora_correct"),
-        ({"MEGATRON_PLUGINS": "lora-correct"}, None, None, registry.PluginError,
-         "MEGATRON_PLUGINS names unknown plugin 'lora-correct'; did you mean 'lora_correct'?"),
-        ({"MEGATRON_PLUGINS": " , "}, None, None, FlagError,
-         "no plugin requested: set MEGATRON_PLUGINS=lora_correct or pass plugins=['lora_correct']"),
-        ({}, ["canary"], None, registry.PluginError,
-         "plugin 'canary' failed to load: RuntimeError: canary plugin imported"),
+        (
+            {"MEGATRON_LORA_PATCH_DEMO_SHOUT": "maybe"},
+            ["demo"],
+            None,
+            FlagError,
+            f"MEGATRON_LORA_PATCH_DEMO_SHOUT must be one of {BOOLEANS}; got 'maybe'",
+        ),
+        (
+            {"MEGATRON_LORA_STRICT": "2"},
+            ["demo"],
+            None,
+            FlagError,
+            f"MEGATRON_LORA_STRICT must be one of {BOOLEANS}; got '2'",
+        ),
+        (
+            {"MEGATRON_LORA_DISABLED_PATCHES": "nope"},
+            ["demo"],
+            None,
+            FlagError,
+            f"MEGATRON_LORA_DISABLED_PATCHES names unknown patch 'nope'; known: {KNOWN}",
+        ),
+        (
+            {"MEGATRON_LORA_DISABLED_PATCHES": "demo_shout demo_optional"},
+            ["demo"],
+            None,
+            FlagError,
+            "MEGATRON_LORA_DISABLED_PATCHES names unknown patch 'demo_shout demo_optional' (separate names with "
+            "commas); did you mean 'demo_optional'?",
+        ),
+        (
+            {"MEGATRON_LORA_PATCH_DEMO_SHOUTT": "1"},
+            ["demo"],
+            None,
+            FlagError,
+            "MEGATRON_LORA_PATCH_DEMO_SHOUTT names no known patch; did you mean MEGATRON_LORA_PATCH_DEMO_SHOUT?",
+        ),
+        (
+            {"MEGATRON_LORA_PATCH_XYZZY": "1"},
+            ["demo"],
+            None,
+            FlagError,
+            "MEGATRON_LORA_PATCH_XYZZY names no known patch; known: MEGATRON_LORA_PATCH_DEMO_BROKEN, "
+            "MEGATRON_LORA_PATCH_DEMO_FUTURE, MEGATRON_LORA_PATCH_DEMO_OPTIONAL, MEGATRON_LORA_PATCH_DEMO_SHOUT, "
+            "MEGATRON_LORA_PATCH_DEMO_UPSTREAM",
+        ),
+        (
+            {"MEGATRON_LORA_STRCT": "1"},
+            ["demo"],
+            None,
+            FlagError,
+            "MEGATRON_LORA_STRCT is not a variable megatron-lora-patch reads; did you mean MEGATRON_LORA_STRICT?",
+        ),
+        (
+            {"MEGATRON_LORA_ALLOW_UNTESTED": "perhaps"},
+            ["demo"],
+            None,
+            FlagError,
+            f"MEGATRON_LORA_ALLOW_UNTESTED must be one of {BOOLEANS}; got 'perhaps'",
+        ),
+        (
+            {"MEGATRON_LORA_PATCH_DEMO_SHOUT": "1", "MEGATRON_LORA_DISABLED_PATCHES": "demo_shout"},
+            ["demo"],
+            None,
+            FlagError,
+            "MEGATRON_LORA_PATCH_DEMO_SHOUT turns demo_shout on but MEGATRON_LORA_DISABLED_PATCHES lists it; "
+            "remove one of the two",
+        ),
+        (
+            {},
+            ["demo"],
+            {"demo_shot": True},
+            FlagError,
+            "the `enable` argument names unknown patch 'demo_shot'; did you mean 'demo_shout'?",
+        ),
+        (
+            {"MEGATRON_PLUGINS": "nope"},
+            None,
+            None,
+            registry.PluginError,
+            "MEGATRON_PLUGINS names unknown plugin 'nope'; known: canary, cpu_testbed, demo, lora_correct",
+        ),
+        (
+            {"MEGATRON_PLUGINS": "lora-correct"},
+            None,
+            None,
+            registry.PluginError,
+            "MEGATRON_PLUGINS names unknown plugin 'lora-correct'; did you mean 'lora_correct'?",
+        ),
+        (
+            {"MEGATRON_PLUGINS": " , "},
+            None,
+            None,
+            FlagError,
+            "no plugin requested: set MEGATRON_PLUGINS=lora_correct or pass plugins=['lora_correct']",
+        ),
+        (
+            {},
+            ["canary"],
+            None,
+            registry.PluginError,
+            "plugin 'canary' failed to load: RuntimeError: canary plugin imported",
+        ),
     ],
 )
 def test_bad_flags_give_one_exact_line(demo_plugins, monkeypatch, environ, plugins, enable, error, message):
@@ -69,12 +138,15 @@ def test_revert_of_unknown_patch(demo_plugins):
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda: versions.parse_range("0.13+", "lora_linear"),
-         "patch 'lora_linear' declares tested range '0.13+', which is not a PEP 440 specifier (example: '>=0.13,<0.17')"),
-        (lambda: versions.parse_version("main-branch", "megatron-core"),
-         "megatron-core has version 'main-branch', which is not a PEP 440 version"),
-        (lambda: versions.out_of_range_reason("lora_linear", ">=0.13,<0.17", versions.Version("0.12.3")),
-         None),
+        (
+            lambda: versions.parse_range("0.13+", "lora_linear"),
+            "patch 'lora_linear' declares tested range '0.13+', which is not a PEP 440 specifier (example: '>=0.13,<0.17')",
+        ),
+        (
+            lambda: versions.parse_version("main-branch", "megatron-core"),
+            "megatron-core has version 'main-branch', which is not a PEP 440 version",
+        ),
+        (lambda: versions.out_of_range_reason("lora_linear", ">=0.13,<0.17", versions.Version("0.12.3")), None),
     ],
 )
 def test_version_strings(call, message):

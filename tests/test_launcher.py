@@ -144,7 +144,12 @@ def test_results_come_back_in_rank_order_intact():
     for rank, result in enumerate(results):
         assert isinstance(result, OrderedDict)
         assert result["world_size"] == 2
-        assert result["env"] == {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1"}
+        assert result["env"] == {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+        }
         assert result["threads"] == 1
         torch.testing.assert_close(result["total"], torch.tensor([1.5, 10.0]), rtol=0, atol=0)
         expected_view = (torch.arange(12, dtype=torch.float32).reshape(3, 4) + rank).t()[1:]

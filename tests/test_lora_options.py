@@ -34,11 +34,17 @@ def test_environment_and_config_file_give_the_same_settings(tmp_path):
     path.write_text(
         'rslora = true\nrank_pattern = {"*local_experts*" = 4, linear_fc1 = 8}\nalpha_pattern = {linear_proj = 2}\n'
     )
-    settings = {"rslora": True, "rank_pattern": {"*local_experts*": 4, "linear_fc1": 8}, "alpha_pattern": {"linear_proj": 2}}
+    settings = {
+        "rslora": True,
+        "rank_pattern": {"*local_experts*": 4, "linear_fc1": 8},
+        "alpha_pattern": {"linear_proj": 2},
+    }
     json_path = tmp_path / "lora.json"
     json_path.write_text(json.dumps(settings))
     from_code = LoraConfig(**settings)
-    assert env.rank_pattern == (("*local_experts*", 4), ("linear_fc1", 8)) and env.alpha_pattern == (("linear_proj", 2.0),)
+    assert env.rank_pattern == (("*local_experts*", 4), ("linear_fc1", 8)) and env.alpha_pattern == (
+        ("linear_proj", 2.0),
+    )
     for source in (path, json_path):
         assert LoraConfig.from_env({"MEGATRON_LORA_CONFIG": str(source)}) == env
     assert from_code == env and LoraConfig.from_description(env.description()) == env
@@ -126,7 +132,9 @@ def test_bad_patterns_stop_the_model_build(case):
 
 def test_good_patterns_build_adapters_of_those_ranks_and_scales():
     """The positive control: the same script, patterns that match, adapters of the asked rank and scale."""
-    listing = 'sorted({(n.rsplit(".", 2)[-2], m.rank, m.scale) for n, m in model.named_modules() if n.endswith(".lora")})'
+    listing = (
+        'sorted({(n.rsplit(".", 2)[-2], m.rank, m.scale) for n, m in model.named_modules() if n.endswith(".lora")})'
+    )
     script = BUILD.replace('print("adapted:"', f'print("ranks:", {listing})\n    print("adapted:"')
     env = {
         "MEGATRON_LORA_RANK_PATTERN": "linear_fc1=2,linear_fc2=2",
@@ -137,13 +145,20 @@ def test_good_patterns_build_adapters_of_those_ranks_and_scales():
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("ranks:"))
     fc_scale = 32 / math.sqrt(2)  # rsLoRA: alpha / sqrt(r)
-    expected = sorted({("linear_fc1", 2, fc_scale), ("linear_fc2", 2, fc_scale), ("linear_proj", 16, 1.0), ("linear_qkv", 16, 8.0)})
+    expected = sorted(
+        {("linear_fc1", 2, fc_scale), ("linear_fc2", 2, fc_scale), ("linear_proj", 16, 1.0), ("linear_qkv", 16, 8.0)}
+    )
     assert line == f"ranks: {expected}"
 
 
 # -- PEFT import: the adapter's rsLoRA and per-module r / alpha must be the model's ---------------
 
-PATTERNED = {**DESCRIPTION, "rslora": True, "rank_pattern": [["linear_fc2", 2]], "alpha_pattern": [["linear_proj", 4.0]]}
+PATTERNED = {
+    **DESCRIPTION,
+    "rslora": True,
+    "rank_pattern": [["linear_fc2", 2]],
+    "alpha_pattern": [["linear_proj", 4.0]],
+}
 
 
 def _logical(description):
@@ -171,23 +186,44 @@ def _refused(config, *fragments, tensors=None, description=PATTERNED):
 def test_patterned_adapter_exports_peft_fields_and_round_trips():
     logical = _logical(PATTERNED)
     tensors, config = peft.to_peft(logical, PATTERNED)
-    assert (config["use_rslora"], config["rank_pattern"], config["alpha_pattern"]) == (True, {"down_proj": 2}, {"o_proj": 4.0})
+    assert (config["use_rslora"], config["rank_pattern"], config["alpha_pattern"]) == (
+        True,
+        {"down_proj": 2},
+        {"o_proj": 4.0},
+    )
     restored = _import(tensors, config)
     assert all(torch.equal(restored[n][i], logical[n][i]) for n in logical for i in (0, 1))
 
 
 def test_two_layers_with_different_alphas_are_keyed_by_full_path():
     two = {**PATTERNED, "num_layers": 2, "alpha_pattern": [["decoder.layers.1.*", 3.0]]}
-    logical = {name.replace("layers.0", f"layers.{layer}"): pair for name, pair in _logical(two).items() for layer in (0, 1)}
+    logical = {
+        name.replace("layers.0", f"layers.{layer}"): pair for name, pair in _logical(two).items() for layer in (0, 1)
+    }
     _, config = peft.to_peft(logical, two)
-    assert config["alpha_pattern"] == {f"model.layers.1.{p}": 3.0 for p in (
-        "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj")}
+    assert config["alpha_pattern"] == {
+        f"model.layers.1.{p}": 3.0
+        for p in (
+            "mlp.down_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "self_attn.k_proj",
+            "self_attn.o_proj",
+            "self_attn.q_proj",
+            "self_attn.v_proj",
+        )
+    }
 
 
 def test_other_rslora_rank_or_alpha_patterns_are_refused():
     _, config = peft.to_peft(_logical(PATTERNED), PATTERNED)
     _refused({**config, "use_rslora": False}, "use_rslora=false", "MEGATRON_LORA_RSLORA=0")
-    _refused({**config, "alpha_pattern": {}}, "lora_alpha=8.0 for model.layers.0.self_attn.o_proj", "alpha 4.0", "MEGATRON_LORA_ALPHA=8.0")
+    _refused(
+        {**config, "alpha_pattern": {}},
+        "lora_alpha=8.0 for model.layers.0.self_attn.o_proj",
+        "alpha 4.0",
+        "MEGATRON_LORA_ALPHA=8.0",
+    )
     _refused({**config, "alpha_pattern": {"o_proj": 5}}, "lora_alpha=5", "MEGATRON_LORA_ALPHA_PATTERN")
     _refused({**config, "rank_pattern": {}}, "r=4 for model.layers.0.mlp.down_proj", "rank 2")
     _refused({**config, "alpha_pattern": {**config["alpha_pattern"], "k_proj": 2}}, "lora_alpha", "fused Megatron")

@@ -117,8 +117,13 @@ def te_module_errors(rank: int, world: int) -> dict:
     with Topology().world(cpu_compat=False):
         model_parallel_cuda_manual_seed(0)
         config = TransformerConfig(
-            num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=FFN,
-            normalization="LayerNorm", params_dtype=torch.float32, add_bias_linear=False,
+            num_layers=1,
+            hidden_size=HIDDEN,
+            num_attention_heads=2,
+            ffn_hidden_size=FFN,
+            normalization="LayerNorm",
+            params_dtype=torch.float32,
+            add_bias_linear=False,
         )
         init = torch.nn.init.normal_
         common = dict(config=config, init_method=init, bias=False, skip_bias_add=False, is_expert=False)
@@ -136,7 +141,9 @@ def te_module_errors(rank: int, world: int) -> dict:
             lora_input = x
             if name == "linear_qkv":  # the LoRA input is the layer's own norm output
                 norm_weight, norm_bias = module.layer_norm_weight.detach(), module.layer_norm_bias.detach()
-                lora_input = torch.nn.functional.layer_norm(x, (HIDDEN,), norm_weight, norm_bias, config.layernorm_epsilon)
+                lora_input = torch.nn.functional.layer_norm(
+                    x, (HIDDEN,), norm_weight, norm_bias, config.layernorm_epsilon
+                )
             with torch.no_grad():
                 base = module.weight.detach()
                 y_ref = lora_input @ base.t() + lora.scale * (lora_input @ lora_a.t()) @ lora_b.t()

@@ -12,7 +12,11 @@ QKV, FC1 = "decoder.layers.self_attention.linear_qkv.lora", "decoder.layers.mlp.
 
 def _entries(rank: int, prefixes) -> dict:
     shapes = {"A": (2, rank, 64), "B": (2, 128, rank)}
-    return {f"{prefix}.{factor}": SimpleNamespace(global_shape=shape) for prefix in prefixes for factor, shape in shapes.items()}
+    return {
+        f"{prefix}.{factor}": SimpleNamespace(global_shape=shape)
+        for prefix in prefixes
+        for factor, shape in shapes.items()
+    }
 
 
 def test_same_adapters_match():

@@ -37,8 +37,12 @@ def found():
 
 def test_every_patch_applies(found):
     assert {name: state for name, state in found["status"].items() if name != "null_tokenizer"} == {
-        "cpu_compat": "applied", "lora_linear": "applied", "lora_checkpoint": "applied",
-        "finalize_grads": "applied", "loss_normalization": "applied", "layout_invariant": "applied",
+        "cpu_compat": "applied",
+        "lora_linear": "applied",
+        "lora_checkpoint": "applied",
+        "finalize_grads": "applied",
+        "loss_normalization": "applied",
+        "layout_invariant": "applied",
     }
 
 

@@ -21,8 +21,11 @@ SYNTAX = (
     "(a last name such as output_layer or word_embeddings, or a glob)"
 )
 # Prints every trainable parameter of the built world-1 model.
-TRAINABLE = BUILD.replace('print("adapted:"', 'print("trainable:", ",".join(n for n, p in model.named_parameters() '
-                          'if p.requires_grad and ".lora." not in n)); print("adapted:"')
+TRAINABLE = BUILD.replace(
+    'print("adapted:"',
+    'print("trainable:", ",".join(n for n, p in model.named_parameters() '
+    'if p.requires_grad and ".lora." not in n)); print("adapted:"',
+)
 
 
 def test_environment_config_file_and_code_agree(tmp_path):
@@ -87,12 +90,23 @@ def test_peft_modules_to_save_must_be_the_models():
     rest, full = peft_modules.split(weight, {"modules_to_save": ["lm_head"]}, DESCRIPTION, "dir", PeftFormatError)
     assert set(rest) == {"lora"} and set(full) == {"output_layer"}
     cases = [
-        ({"modules_to_save": None}, DESCRIPTION, "dir: modules_to_save=[] but the model trains fully ['lm_head']; "
-         "build it with MEGATRON_LORA_MODULES_TO_SAVE unset"),
-        ({"modules_to_save": ["lm_head"]}, {}, "dir: modules_to_save=['lm_head'] but the model trains fully []; "
-         "build it with MEGATRON_LORA_MODULES_TO_SAVE=output_layer"),
-        ({"modules_to_save": ["score"]}, {}, "dir: modules_to_save entry 'score' cannot train fully in Megatron; "
-         "supported: lm_head, embed_tokens"),
+        (
+            {"modules_to_save": None},
+            DESCRIPTION,
+            "dir: modules_to_save=[] but the model trains fully ['lm_head']; "
+            "build it with MEGATRON_LORA_MODULES_TO_SAVE unset",
+        ),
+        (
+            {"modules_to_save": ["lm_head"]},
+            {},
+            "dir: modules_to_save=['lm_head'] but the model trains fully []; "
+            "build it with MEGATRON_LORA_MODULES_TO_SAVE=output_layer",
+        ),
+        (
+            {"modules_to_save": ["score"]},
+            {},
+            "dir: modules_to_save entry 'score' cannot train fully in Megatron; supported: lm_head, embed_tokens",
+        ),
     ]
     for config, description, message in cases:
         with pytest.raises(PeftFormatError) as raised:

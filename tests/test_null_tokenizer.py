@@ -24,7 +24,9 @@ import pytest
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset, MockGPTLowLevelDataset
 from megatron.core.datasets.utils import Split
 
-pytest.importorskip("megatron.core.tokenizers", reason="not applicable to this Megatron-Core: no megatron.core.tokenizers (0.13)")
+pytest.importorskip(
+    "megatron.core.tokenizers", reason="not applicable to this Megatron-Core: no megatron.core.tokenizers (0.13)"
+)
 import megatron_lm_null_tokenizer as doubles
 from conftest import run_python
 from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
@@ -39,16 +41,23 @@ from megatron_lora_patch.runtime.registry import Runtime, SkipPatch
 N = 64
 #: Where `build_tokenizer` lives: `tokenizers.text.utils` up to 0.16, `tokenizers.utils` from 0.17.
 BUILD_TOKENIZER_MODULE = next(
-    name for name in ("megatron.core.tokenizers.utils.build_tokenizer", "megatron.core.tokenizers.text.utils.build_tokenizer")
+    name
+    for name in (
+        "megatron.core.tokenizers.utils.build_tokenizer",
+        "megatron.core.tokenizers.text.utils.build_tokenizer",
+    )
     if importlib.util.find_spec(name.rsplit(".", 1)[0]) is not None
 )
 build_tokenizer = importlib.import_module(BUILD_TOKENIZER_MODULE).build_tokenizer
 #: From 0.18 Megatron-Core's NullTokenizer counts EOD inside the vocabulary itself.
 CORE_UPSTREAM = NullTokenizer(N).eod == N - 1
 legacy_base = pytest.mark.skipif(
-    not doubles.HAVE_LEGACY_BASE, reason="not applicable to this Megatron-Core: no legacy tokenizer base (0.17+), no training-side _NullTokenizer"
+    not doubles.HAVE_LEGACY_BASE,
+    reason="not applicable to this Megatron-Core: no legacy tokenizer base (0.17+), no training-side _NullTokenizer",
 )
-old_core = pytest.mark.skipif(CORE_UPSTREAM, reason="not applicable to this Megatron-Core: its NullTokenizer already counts EOD inside")
+old_core = pytest.mark.skipif(
+    CORE_UPSTREAM, reason="not applicable to this Megatron-Core: its NullTokenizer already counts EOD inside"
+)
 
 
 def enable(null_tokenizer=None) -> dict:
@@ -98,8 +107,13 @@ def built(vocab_size: int = N):
 
 def mock_dataset(tokenizer) -> MockGPTDataset:
     config = GPTDatasetConfig(
-        random_seed=1, sequence_length=16, tokenizer=tokenizer, split="1,0,0",
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        random_seed=1,
+        sequence_length=16,
+        tokenizer=tokenizer,
+        split="1,0,0",
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
     )
     indices = numpy.arange(20, dtype=numpy.int32)
     return MockGPTDataset(MockGPTLowLevelDataset(tokenizer), None, indices, 10, Split.train, config)
@@ -172,7 +186,9 @@ def test_cache_key_tells_the_conventions_apart(runtime):
     description = json.loads(mock_dataset(built()).unique_description)
     assert description["tokenizer"]["eod_id"] == str(N - 1)
     assert json.loads(mock_dataset(NullTokenizer(N)).unique_description)["tokenizer"] == {
-        "class": f"{NullTokenizer.__module__}.NullTokenizer", "vocab_size": N, "eod_id": N - 1,
+        "class": f"{NullTokenizer.__module__}.NullTokenizer",
+        "vocab_size": N,
+        "eod_id": N - 1,
     }
     assert patched == {kind: cache_key(make()) for kind, make in tokenizers.items()}  # deterministic
     runtime.revert()
@@ -199,7 +215,10 @@ def test_training_side_class_is_patched_on_import(runtime, training_module):
     assert tokenizer.vocab[str(N - 1)] == tokenizer.eod == tokenizer.vocab_size - 1  # the double's mapping follows
     assert tokenizer.offsets([3, 14, 1], "3 14 1") == [0, 2, 5]
     assert tokenizer.unique_identifiers == {
-        "class": "_NullTokenizer", "tokenizer_path": [None], "vocab_size": str(N), "eod_id": str(N - 1),
+        "class": "_NullTokenizer",
+        "tokenizer_path": [None],
+        "vocab_size": str(N),
+        "eod_id": str(N - 1),
     }
     assert json.loads(tokenizer.unique_description) == tokenizer.unique_identifiers
     assert default.unique_identifiers == {"class": "_NullTokenizer", "tokenizer_path": [None], "vocab_size": str(N)}
@@ -239,12 +258,15 @@ def test_convention_probe():
         null_tokenizer_eod.require_eod_outside_vocab(PadAtEnd, "odd")
 
 
-@pytest.mark.skipif(not CORE_UPSTREAM, reason="not applicable to this Megatron-Core: its NullTokenizer keeps EOD outside")
+@pytest.mark.skipif(
+    not CORE_UPSTREAM, reason="not applicable to this Megatron-Core: its NullTokenizer keeps EOD outside"
+)
 def test_core_class_counting_eod_is_reported_upstream(runtime):
     before = core_attributes()
     status = row(runtime.apply(["lora_correct"], enable=enable(True)))
     assert (status.state, status.detail) == (
-        "skipped", f"already upstream: {patch.CORE_MODULE}.NullTokenizer(8) has vocab_size 8 and eod 7"
+        "skipped",
+        f"already upstream: {patch.CORE_MODULE}.NullTokenizer(8) has vocab_size 8 and eod 7",
     )
     assert core_attributes() == before
     for tokenizer in (NullTokenizer(N), built()):

@@ -103,7 +103,9 @@ def test_crashed_and_hung_ranks_are_failures_not_hangs():
     # A mutation that breaks the run is ERRORED, never "caught": a renamed Megatron attribute
     # must not turn --mutations all into "all caught".
     assert crashed.errored and hung.errored and not crashed.caught and not hung.caught
-    assert [row.split()[-1] for row in report.table().splitlines() if row.startswith(("crash ", "hang "))] == ["ERRORED"] * 2
+    assert [row.split()[-1] for row in report.table().splitlines() if row.startswith(("crash ", "hang "))] == [
+        "ERRORED"
+    ] * 2
     assert not report.passed
     assert report.verdict().startswith("FAIL: 0/0 topologies match world-1, 0/2 mutations caught (")
     assert report.verdict().endswith("; ERRORED (the run broke): crash, hang")

@@ -44,7 +44,9 @@ def _by_name(report) -> dict:
 
 
 def _assert_caught(result, min_ratio: float = MIN_RATIO) -> None:
-    phases = {phase: f"{metrics.rel_l2:.3g} (threshold {metrics.threshold:g})" for phase, metrics in result.phases.items()}
+    phases = {
+        phase: f"{metrics.rel_l2:.3g} (threshold {metrics.threshold:g})" for phase, metrics in result.phases.items()
+    }
     assert result.error is None, f"{result.name} crashed the run instead of changing numbers:\n{result.error}"
     assert result.caught, f"{result.name} on {result.topology} was NOT caught: {phases}"
     assert result.worst_ratio >= min_ratio, f"{result.name} caught only narrowly: {phases}"

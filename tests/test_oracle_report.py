@@ -12,7 +12,9 @@ SETTINGS = {"thresholds": describe("fp32"), "dtype": "fp32", "steps": 2, "seed":
 def _phases(scale: float) -> dict:
     limits = {phase: threshold("fp32", phase, 0) for phase in PHASES}
     return {
-        phase: PhaseMetrics(scale * limit / 10, scale, f"{phase}.worst", {"0": scale * limit / 20, "1": scale * limit / 10}, limit)
+        phase: PhaseMetrics(
+            scale * limit / 10, scale, f"{phase}.worst", {"0": scale * limit / 20, "1": scale * limit / 10}, limit
+        )
         for phase, limit in limits.items()
     }
 
@@ -30,14 +32,18 @@ def _report() -> OracleReport:
 def test_verdict_table_and_json(tmp_path):
     report = _report()
     assert not report.passed
-    assert report.verdict() == (
-        "FAIL: 2/2 topologies match world-1, 1/2 mutations caught (12 s); NOT CAUGHT: harmless"
-    )
+    assert report.verdict() == ("FAIL: 2/2 topologies match world-1, 1/2 mutations caught (12 s); NOT CAUGHT: harmless")
     table = report.table()
     assert table.splitlines()[0].startswith("relative L2 error vs world-1, ||run - world1|| / ||world1||")
     assert table.splitlines()[1] == "dtype fp32, 2 steps, seed 1234"
     assert table.splitlines()[3].split()[:7] == [
-        "topology", "ranks", "model", "forward", "(<=1e-05)", "loss", "(<=1e-05/1e-04)"
+        "topology",
+        "ranks",
+        "model",
+        "forward",
+        "(<=1e-05)",
+        "loss",
+        "(<=1e-05/1e-04)",
     ]
     assert "skip_tp_sum_column_a  tp2" in table and "NOT CAUGHT" in table
     path = tmp_path / "report.json"
@@ -58,7 +64,9 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_routing_divergence_fails_a_topology_and_catches_a_mutation():
-    message = "MoE routing diverged from world-1, so no comparison is meaningful: decoder.layers.0.mlp.router@mb0 (2 tokens)"
+    message = (
+        "MoE routing diverged from world-1, so no comparison is meaningful: decoder.layers.0.mlp.router@mb0 (2 tokens)"
+    )
     report = OracleReport(settings=SETTINGS)
     report.topologies = [TopologyResult("ep2", 2, _phases(1.0), routing=message)]
     report.mutations = [MutationResult("expert_bug", "ep2", "a bug", _phases(1.0), routing=message)]
@@ -71,10 +79,15 @@ def test_routing_divergence_fails_a_topology_and_catches_a_mutation():
 def test_errored_mutation_fails_the_run_and_shows_a_traceback_tail():
     traceback = "world 'tp2': rank 1 failed\n--- rank 1 traceback ---\n" + "\n".join(f"  frame {i}" for i in range(40))
     report = OracleReport(settings=SETTINGS, wall_s=3.0)
-    report.mutations = [MutationResult("renamed_attribute", "tp2", "a bug", {}, error=traceback + "\nAttributeError: gone")]
+    report.mutations = [
+        MutationResult("renamed_attribute", "tp2", "a bug", {}, error=traceback + "\nAttributeError: gone")
+    ]
     (mutation,) = report.mutations
     assert mutation.errored and not mutation.caught and mutation.outcome == "errored" and not report.passed
-    assert report.verdict() == "FAIL: 0/0 topologies match world-1, 0/1 mutations caught (3 s); ERRORED (the run broke): renamed_attribute"
+    assert (
+        report.verdict()
+        == "FAIL: 0/0 topologies match world-1, 0/1 mutations caught (3 s); ERRORED (the run broke): renamed_attribute"
+    )
     table = report.table()
     assert "AttributeError: gone" in table and "frame 39" in table and "frame 20" not in table
     assert len(table.splitlines()) < 30

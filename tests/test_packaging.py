@@ -22,8 +22,14 @@ import pytest
 
 REPO = pathlib.Path(__file__).parent.parent
 NVIDIA_TORCH = "2.6.0a0+ecf3bae40a.nv25.01"
-OUR_DEPENDENCIES = [("wrapt", "1.17.0"), ("pluggy", "1.6.0"), ("packaging", "25.0"), ("safetensors", "0.5.0"),
-                    ("psutil", "6.0.0"), ("numpy", "2.0.0")]
+OUR_DEPENDENCIES = [
+    ("wrapt", "1.17.0"),
+    ("pluggy", "1.6.0"),
+    ("packaging", "25.0"),
+    ("safetensors", "0.5.0"),
+    ("psutil", "6.0.0"),
+    ("numpy", "2.0.0"),
+]
 
 
 def stub_wheel(directory: pathlib.Path, name: str, version: str, requires: tuple[str, ...] = ()) -> pathlib.Path:
@@ -38,7 +44,9 @@ def stub_wheel(directory: pathlib.Path, name: str, version: str, requires: tuple
         + "".join(f"Requires-Dist: {requirement}\n" for requirement in requires),
         f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: stub\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
-    files[f"{info}/RECORD"] = "".join(f"{p},sha256={digest(c)},{len(c)}\n" for p, c in files.items()) + f"{info}/RECORD,,\n"
+    files[f"{info}/RECORD"] = (
+        "".join(f"{p},sha256={digest(c)},{len(c)}\n" for p, c in files.items()) + f"{info}/RECORD,,\n"
+    )
     path = directory / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as archive:
         for member, text in files.items():
@@ -48,15 +56,23 @@ def stub_wheel(directory: pathlib.Path, name: str, version: str, requires: tuple
 
 def pip(python: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
     environ = {**os.environ, "PIP_FIND_LINKS": "", "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1"}
-    return subprocess.run([sys.executable, "-m", "pip", "--python", str(python), *args],
-                          env=environ, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), *args],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
 def our_wheel(tmp_path_factory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("ours")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO)],
+        check=True,
+        capture_output=True,
+    )
     return next(out.glob("*.whl"))
 
 
@@ -75,7 +91,9 @@ def would_install(tmp_path: pathlib.Path, installed: list, wheel: pathlib.Path, 
     setup = pip(python, "install", "-q", "--no-deps", "--find-links", str(wheelhouse), *map(str, stubs))
     assert setup.returncode == 0, setup.stderr
     report = tmp_path / "report.json"
-    result = pip(python, "install", "--dry-run", "-q", "--find-links", str(wheelhouse), "--report", str(report), str(wheel))
+    result = pip(
+        python, "install", "--dry-run", "-q", "--find-links", str(wheelhouse), "--report", str(report), str(wheel)
+    )
     assert result.returncode == 0, result.stderr
     return {item["metadata"]["name"]: item["metadata"]["version"] for item in json.loads(report.read_text())["install"]}
 

@@ -21,9 +21,15 @@ from megatron_lora_patch.proof.testbed.models import DEFAULT_SEED, TinyGPTSpec
 SPEC = TinyGPTSpec.moe(moe_ffn_hidden_size=32)
 CONFIG = worker.lora_config(5, rank_pattern={"*local_experts*": 2}, alpha_pattern={"*local_experts*linear_fc2": 4.0})
 DESCRIPTION = {
-    **CONFIG.description(), "format": 1, "num_layers": SPEC.num_layers, "hidden_size": SPEC.hidden_size,
-    "num_attention_heads": SPEC.num_attention_heads, "num_query_groups": SPEC.num_query_groups,
-    "kv_channels": SPEC.kv_channels, "gated_linear_unit": True, "num_experts": SPEC.num_experts,
+    **CONFIG.description(),
+    "format": 1,
+    "num_layers": SPEC.num_layers,
+    "hidden_size": SPEC.hidden_size,
+    "num_attention_heads": SPEC.num_attention_heads,
+    "num_query_groups": SPEC.num_query_groups,
+    "kv_channels": SPEC.kv_channels,
+    "gated_linear_unit": True,
+    "num_experts": SPEC.num_experts,
 }
 EXPERTS = "base_model.model.model.layers.0.mlp.experts"
 
@@ -31,7 +37,9 @@ EXPERTS = "base_model.model.model.layers.0.mlp.experts"
 def _expert_deltas(layer: int, linear: str, order=None) -> torch.Tensor:
     """[E, out, in]: scaling * B_e @ A_e of the logical init, experts in `order`."""
     logical = worker.expected_logical(SPEC, CONFIG)
-    names = [f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{linear}" for e in (order or range(SPEC.num_experts))]
+    names = [
+        f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{linear}" for e in (order or range(SPEC.num_experts))
+    ]
     return torch.stack([CONFIG.scale_for(name) * logical[name][1] @ logical[name][0] for name in names])
 
 
@@ -40,7 +48,9 @@ def test_peft_param_wrapper_deltas_are_the_megatron_expert_deltas(tmp_path):
     from peft import PeftModel
 
     tensors, config = peft.to_peft(worker.expected_logical(SPEC, CONFIG), DESCRIPTION, "mixtral")
-    assert config["rank_pattern"] == {"down_proj": 2, "gate_up_proj": 2} and config["alpha_pattern"] == {"down_proj": 4.0}
+    assert config["rank_pattern"] == {"down_proj": 2, "gate_up_proj": 2} and config["alpha_pattern"] == {
+        "down_proj": 4.0
+    }
     files.write(str(tmp_path), tensors, config, "mixtral")
     model = PeftModel.from_pretrained(hf_llama.mixtral_for(SPEC, DEFAULT_SEED), str(tmp_path))
     tolerance = fp32_sum_tolerance(2)  # each delta entry sums r = 2 products
@@ -85,7 +95,10 @@ def test_round_trip_is_exact_and_family_names_are_shared():
     tensors, config = peft.to_peft(logical, DESCRIPTION, "qwen3_moe")
     mixtral_tensors, mixtral_config = peft.to_peft(logical, DESCRIPTION, "mixtral")
     assert mixtral_config == config and mixtral_tensors.keys() == tensors.keys()
-    assert f"{EXPERTS}.base_layer.lora_A.weight" in tensors and tuple(tensors[f"{EXPERTS}.lora_B.weight"].shape) == (64, 8)
+    assert f"{EXPERTS}.base_layer.lora_A.weight" in tensors and tuple(tensors[f"{EXPERTS}.lora_B.weight"].shape) == (
+        64,
+        8,
+    )
     restored = peft.from_peft(tensors, config, DESCRIPTION, logical, family="qwen3_moe")
     assert set(restored) == set(logical)
     assert all(torch.equal(restored[name][i], logical[name][i]) for name in logical for i in (0, 1))
@@ -107,8 +120,14 @@ def test_what_the_layout_cannot_hold_is_refused():
     _refused(lambda: peft.to_peft(logical, uneven, "mixtral"), "mlp.experts.gate_up_proj", "one per layer")
     tensors, config = peft.to_peft(logical, DESCRIPTION, "mixtral")
     short = dict(tensors, **{f"{EXPERTS}.lora_A.weight": tensors[f"{EXPERTS}.lora_A.weight"][:-1]})
-    _refused(lambda: peft.from_peft(short, config, DESCRIPTION, logical, family="mixtral"), f"{EXPERTS[len(peft.PEFT_PREFIX):]}", "rank 2")
+    _refused(
+        lambda: peft.from_peft(short, config, DESCRIPTION, logical, family="mixtral"),
+        f"{EXPERTS[len(peft.PEFT_PREFIX) :]}",
+        "rank 2",
+    )
     missing = {key: value for key, value in tensors.items() if not key.startswith(f"{EXPERTS}.base_layer.")}
-    _refused(lambda: peft.from_peft(missing, config, DESCRIPTION, logical, family="mixtral"), "missing", "base_layer.lora_A")
+    _refused(
+        lambda: peft.from_peft(missing, config, DESCRIPTION, logical, family="mixtral"), "missing", "base_layer.lora_A"
+    )
     other_rank = dict(config, rank_pattern={"gate_up_proj": 2})  # down_proj back at r=4: not the model's rank 2
     _refused(lambda: peft.from_peft(tensors, other_rank, DESCRIPTION, logical, family="mixtral"), "r=4", "rank 2")

@@ -65,8 +65,15 @@ def exported(request, tmp_path_factory):
     )
     done = _cli("export", "--checkpoint", checkpoint, "--out", peft_dir, cwd=root)
     assert done.returncode == 0, done.stderr
-    return {"root": root, "checkpoint": checkpoint, "peft": peft_dir, "ranks": results, "options": options, "fields": peft_fields,
-            "controls": controls}
+    return {
+        "root": root,
+        "checkpoint": checkpoint,
+        "peft": peft_dir,
+        "ranks": results,
+        "options": options,
+        "fields": peft_fields,
+        "controls": controls,
+    }
 
 
 def _unexpected_key_warnings(peft_dir: str) -> list:
@@ -99,7 +106,9 @@ def test_peft_loads_export_and_matches_megatron_logits(exported):
     with open(os.path.join(exported["peft"], peft_names.CONFIG_NAME)) as handle:
         config = json.load(handle)
     assert config["r"] == 4 and config["lora_alpha"] == 8.0
-    assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    assert config["target_modules"] == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     assert {field: config[field] for field in exported["fields"]} == exported["fields"]
     assert "megatron_lora_patch" not in config
 
@@ -183,4 +192,3 @@ def test_import_on_pp2_then_export_gives_identical_bytes(exported):
     for name in (peft_names.WEIGHTS_NAME, peft_names.CONFIG_NAME, peft_names.METADATA_NAME):
         with open(os.path.join(exported["peft"], name), "rb") as first, open(os.path.join(again, name), "rb") as second:
             assert first.read() == second.read(), name
-

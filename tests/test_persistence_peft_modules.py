@@ -56,9 +56,17 @@ def exported(request, tmp_path_factory):
     ranks = run_world(worker.export_world, 2, args=("tp2", spec, 21, checkpoint, options), name="tp2", timeout=240)
     done = _cli("export", "--checkpoint", checkpoint, "--out", peft_dir, cwd=root)
     assert done.returncode == 0, done.stderr
-    return {"root": root, "peft": peft_dir, "logits": ranks[0]["logits"], "trained": worker.trained_state_dict(spec),
-            "saved": worker.assemble([rank["trained"] for rank in ranks], spec), "spec": spec, "options": options,
-            "fields": fields, "hf_weights": hf_weights}
+    return {
+        "root": root,
+        "peft": peft_dir,
+        "logits": ranks[0]["logits"],
+        "trained": worker.trained_state_dict(spec),
+        "saved": worker.assemble([rank["trained"] for rank in ranks], spec),
+        "spec": spec,
+        "options": options,
+        "fields": fields,
+        "hf_weights": hf_weights,
+    }
 
 
 def test_export_writes_peft_modules_to_save(exported):
@@ -98,7 +106,9 @@ def test_peft_loads_modules_to_save_and_matches_megatron_logits(exported, tmp_pa
     tensors = load_file(str(bare / peft_names.WEIGHTS_NAME))
     save_file({k: v for k, v in tensors.items() if ".lora_" in k}, str(bare / peft_names.WEIGHTS_NAME))
     config = json.loads((bare / peft_names.CONFIG_NAME).read_text())
-    (bare / peft_names.CONFIG_NAME).write_text(json.dumps({**config, "modules_to_save": None, "ensure_weight_tying": False}))
+    (bare / peft_names.CONFIG_NAME).write_text(
+        json.dumps({**config, "modules_to_save": None, "ensure_weight_tying": False})
+    )
     control = _peft_logits(exported["spec"], str(bare))[1]
     assert max_abs_error_over_max(control, exported["logits"]) > 100 * LOGITS_TOLERANCE
 

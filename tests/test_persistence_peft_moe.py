@@ -59,8 +59,15 @@ def exported(request, tmp_path_factory):
     done = _cli("export", "--checkpoint", checkpoint, "--out", peft_dir, "--family", family, cwd=root)
     assert done.returncode == 0, done.stderr
     trained = worker.assemble([result["adapters"] for result in results])
-    return {"root": root, "peft": peft_dir, "adapted": results[0]["adapted"], "trained": trained, "family": family,
-            "spec": spec, "other": other}
+    return {
+        "root": root,
+        "peft": peft_dir,
+        "adapted": results[0]["adapted"],
+        "trained": trained,
+        "family": family,
+        "spec": spec,
+        "other": other,
+    }
 
 
 def _hf_model(exported):
@@ -94,7 +101,9 @@ def test_peft_loads_expert_export_and_matches_megatron_logits(exported):
 def _swap_experts(tensor: torch.Tensor, factor: str, first: int, second: int) -> torch.Tensor:
     """The packed PEFT factor with experts `first` and `second` exchanged (A: expert-major rows, B: expert-minor columns)."""
     num = SPEC.num_experts
-    per_expert = tensor.reshape(num, -1, tensor.shape[-1]) if factor == "A" else tensor.reshape(tensor.shape[0], -1, num)
+    per_expert = (
+        tensor.reshape(num, -1, tensor.shape[-1]) if factor == "A" else tensor.reshape(tensor.shape[0], -1, num)
+    )
     order = list(range(num))
     order[first], order[second] = second, first
     swapped = per_expert[order] if factor == "A" else per_expert[..., order]
@@ -124,7 +133,9 @@ def test_import_at_other_expert_topology_then_export_gives_identical_bytes(expor
 
     topology, spec = exported["other"], exported["spec"]
     checkpoint, again = str(exported["root"] / f"reimported-{topology}"), str(exported["root"] / "peft-again")
-    results = run_world(worker.import_and_save_world, 2, args=(topology, spec, exported["peft"], checkpoint), name=topology, timeout=300)
+    results = run_world(
+        worker.import_and_save_world, 2, args=(topology, spec, exported["peft"], checkpoint), name=topology, timeout=300
+    )
     logical = worker.assemble(results)
     expected = exported["trained"]
     assert set(logical) == set(worker.adapter_names(spec)) == set(expected), sorted(set(logical) ^ set(expected))

@@ -22,23 +22,33 @@ TOLERANCE = 1e-5  # relative L2 per factor after one more Adam step on another t
 
 
 def _errors(actual, expected) -> dict:
-    return {f"{name}.{'AB'[i]}": relative_l2_error(actual[name][i], expected[name][i]) for name in expected for i in (0, 1)}
+    return {
+        f"{name}.{'AB'[i]}": relative_l2_error(actual[name][i], expected[name][i]) for name in expected for i in (0, 1)
+    }
 
 
 def test_resume_on_another_topology_equals_uninterrupted_run(tmp_path):
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
     reference = run_world(
-        resume_worker.train_world, 2, name="tp2", timeout=300,
-        args=("tp2", SPEC, 5, range(0, 3)), kwargs=dict(save_dir=str(checkpoint), save_before=2),
+        resume_worker.train_world,
+        2,
+        name="tp2",
+        timeout=300,
+        args=("tp2", SPEC, 5, range(0, 3)),
+        kwargs=dict(save_dir=str(checkpoint), save_before=2),
     )
     saved = persistence_worker.assemble([rank["saved"] for rank in reference])
     assert set(saved) == set(persistence_worker.adapter_names(SPEC)), sorted(saved)
     uninterrupted = persistence_worker.assemble([rank["end"] for rank in reference])
     for load_optimizer in (True, False):
         resumed = run_world(
-            resume_worker.train_world, 2, name="pp2", timeout=300,
-            args=("pp2", SPEC, 999, range(2, 3)), kwargs=dict(load_dir=str(checkpoint), load_optimizer=load_optimizer),
+            resume_worker.train_world,
+            2,
+            name="pp2",
+            timeout=300,
+            args=("pp2", SPEC, 999, range(2, 3)),
+            kwargs=dict(load_dir=str(checkpoint), load_optimizer=load_optimizer),
         )
         loaded = persistence_worker.assemble([rank["start"] for rank in resumed])
         assert set(loaded) == set(saved) and all(all(map(torch.equal, loaded[n], saved[n])) for n in saved)

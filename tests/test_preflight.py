@@ -48,14 +48,19 @@ def test_dense_gqa_tp2_sp_passes_and_reports_json(tmp_path):
     report = json.loads(report_path.read_text())
     assert report["passed"] is True and report["drift"] is None
     assert report["preflight"]["topology"] == "tp2-sp" and report["preflight"]["width"]["hidden"] == 64
-    assert {change["setting"] for change in report["preflight"]["changed"]} >= {"hidden_dropout", "MEGATRON_LORA_B_INIT"}
+    assert {change["setting"] for change in report["preflight"]["changed"]} >= {
+        "hidden_dropout",
+        "MEGATRON_LORA_B_INIT",
+    }
     assert set(report["topologies"][0]["phases"]) == PHASES
 
 
 def test_skipped_tp_sum_fails_and_names_the_layer(tmp_path):
     """The negative control: the column-parallel A's TP SUM left out must FAIL (exit 1) by >= 100x, naming layer 0."""
     report_path = tmp_path / "preflight.json"
-    result = cli("--json", str(report_path), "--mutation", "skip_tp_sum_column_a", "--", *DENSE, *TP2_SP, tmp_path=tmp_path)
+    result = cli(
+        "--json", str(report_path), "--mutation", "skip_tp_sum_column_a", "--", *DENSE, *TP2_SP, tmp_path=tmp_path
+    )
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1].startswith("FAIL: 0/1 topologies match world-1")
     drift = json.loads(report_path.read_text())["drift"]
@@ -86,30 +91,61 @@ def test_moe_tp2_etp2_sp_passes_and_a_skipped_expert_sum_names_the_moe_layer(use
 @pytest.mark.parametrize(
     "arguments, overrides, message",
     [
-        (DENSE, {}, "your arguments run on one rank, so there is nothing to compare with world size 1; pass your "
-         "parallel sizes (--tensor-model-parallel-size, --pipeline-model-parallel-size, ...) or --data-parallel-size N before --"),
-        ([*DENSE, *TP2_SP, "--num-layers", "x"], {},
-         "Megatron-LM rejects the arguments: pretrain_gpt.py: error: argument --num-layers: invalid int value: 'x'"),
-        ([*DENSE, *TP2_SP, "--num-attention-heads", "5"], {},
-         "Megatron-LM rejects the arguments: failed check `assert args.hidden_size % args.num_attention_heads == 0`"),
-        ([*DENSE, "--pipeline-model-parallel-size", "2"], {"layers": 3},
-         "--layers 3 is not divisible by the pipeline size 2; use a multiple of 2"),
-        ([*MOE, "--expert-model-parallel-size", "2"], {"layers": 1},
-         "--layers 1 cannot hold every layer kind (dense, moe); use --layers 2 or more"),
-        ([*DENSE, *TP2_SP], {"mutation": "skip_expert_tp_sum"},
-         "mutation skip_expert_tp_sum needs a MoE model; your arguments have no --num-experts"),
-        ([*DENSE, *TP2_SP, "--fp16"], {},
-         "preflight does not support fp16 loss scaling (compare in --bf16 or fp32) yet: drop --fp16 for the preflight"),
+        (
+            DENSE,
+            {},
+            "your arguments run on one rank, so there is nothing to compare with world size 1; pass your "
+            "parallel sizes (--tensor-model-parallel-size, --pipeline-model-parallel-size, ...) or --data-parallel-size N before --",
+        ),
+        (
+            [*DENSE, *TP2_SP, "--num-layers", "x"],
+            {},
+            "Megatron-LM rejects the arguments: pretrain_gpt.py: error: argument --num-layers: invalid int value: 'x'",
+        ),
+        (
+            [*DENSE, *TP2_SP, "--num-attention-heads", "5"],
+            {},
+            "Megatron-LM rejects the arguments: failed check `assert args.hidden_size % args.num_attention_heads == 0`",
+        ),
+        (
+            [*DENSE, "--pipeline-model-parallel-size", "2"],
+            {"layers": 3},
+            "--layers 3 is not divisible by the pipeline size 2; use a multiple of 2",
+        ),
+        (
+            [*MOE, "--expert-model-parallel-size", "2"],
+            {"layers": 1},
+            "--layers 1 cannot hold every layer kind (dense, moe); use --layers 2 or more",
+        ),
+        (
+            [*DENSE, *TP2_SP],
+            {"mutation": "skip_expert_tp_sum"},
+            "mutation skip_expert_tp_sum needs a MoE model; your arguments have no --num-experts",
+        ),
+        (
+            [*DENSE, *TP2_SP, "--fp16"],
+            {},
+            "preflight does not support fp16 loss scaling (compare in --bf16 or fp32) yet: drop --fp16 for the preflight",
+        ),
         ([], {}, "preflight needs your pretrain_gpt.py arguments after --, e.g. preflight -- --num-layers 32 ..."),
-        ([*DENSE, "--tensor-model-parallel-size", "2", "--sequence-paralel"], {},
-         "Megatron-LM rejects the arguments: pretrain_gpt.py: error: unrecognized arguments: --sequence-paralel; "
-         "did you mean --sequence-parallel?"),
-        ([*DENSE, *TP2_SP, "--my-own-flag", "1"], {},
-         "Megatron-LM rejects the arguments: pretrain_gpt.py: error: unrecognized arguments: --my-own-flag 1; "
-         "leave out the arguments your own script adds"),
-        ([*MOE, *TP2_SP, "--expert-tensor-parallel-size", "2", "--moe-ffn-hidden-size", "65"], {},
-         "Megatron-Core rejects this model: --moe-ffn-hidden-size 65 is not divisible by "
-         "--expert-tensor-parallel-size 2 (its linears are split over those ranks); choose sizes that divide"),
+        (
+            [*DENSE, "--tensor-model-parallel-size", "2", "--sequence-paralel"],
+            {},
+            "Megatron-LM rejects the arguments: pretrain_gpt.py: error: unrecognized arguments: --sequence-paralel; "
+            "did you mean --sequence-parallel?",
+        ),
+        (
+            [*DENSE, *TP2_SP, "--my-own-flag", "1"],
+            {},
+            "Megatron-LM rejects the arguments: pretrain_gpt.py: error: unrecognized arguments: --my-own-flag 1; "
+            "leave out the arguments your own script adds",
+        ),
+        (
+            [*MOE, *TP2_SP, "--expert-tensor-parallel-size", "2", "--moe-ffn-hidden-size", "65"],
+            {},
+            "Megatron-Core rejects this model: --moe-ffn-hidden-size 65 is not divisible by "
+            "--expert-tensor-parallel-size 2 (its linears are split over those ranks); choose sizes that divide",
+        ),
     ],
 )
 def test_bad_input_is_one_usage_error(user_environ, arguments, overrides, message):
@@ -125,8 +161,13 @@ def test_too_large_for_this_machine_says_so_and_offers_fewer_layers(user_environ
     full = preflight.make_plan(options([*MOE, "--expert-model-parallel-size", "2"], layers=4))
     minimal = preflight.make_plan(options([*MOE, "--expert-model-parallel-size", "2"]))
     between = (estimate_parameters(full.spec) + estimate_parameters(minimal.spec)) * 4  # fp32 x2, in bytes
-    with pytest.raises(UsageError, match=r"the world-1 reference cannot fit: .* use --layers 2 \(the fewest that hold every layer kind\)$"):
-        preflight.make_plan(options([*MOE, "--expert-model-parallel-size", "2"], layers=4, max_memory_gib=between / 2**30))
+    with pytest.raises(
+        UsageError,
+        match=r"the world-1 reference cannot fit: .* use --layers 2 \(the fewest that hold every layer kind\)$",
+    ):
+        preflight.make_plan(
+            options([*MOE, "--expert-model-parallel-size", "2"], layers=4, max_memory_gib=between / 2**30)
+        )
     with pytest.raises(UsageError, match="even the fewest layers do not fit at these widths"):
         preflight.make_plan(options([*MOE, "--expert-model-parallel-size", "2"], max_memory_gib=1e-6))
 
@@ -202,7 +243,9 @@ def _first_tokens(dataset, count: int):
     import numpy
     import torch
 
-    return torch.from_numpy(numpy.concatenate([dataset[index] for index in range(len(dataset))])[:count].astype("int64"))
+    return torch.from_numpy(
+        numpy.concatenate([dataset[index] for index in range(len(dataset))])[:count].astype("int64")
+    )
 
 
 def test_bad_data_path_is_one_usage_error(user_environ, tmp_path):
@@ -223,5 +266,7 @@ def test_dense_dp2_distributed_optimizer_passes_and_ddp_averaging_on_top_fails(u
     plan = preflight.make_plan(options(arguments, data_parallel_size=2))
     assert "use_distributed_optimizer" not in {change["setting"] for change in plan.describe()["changed"]}
     assert_passed(preflight.run_plan(plan), "dp2", ["dense"])
-    report = preflight.run_plan(preflight.make_plan(options(arguments, data_parallel_size=2, mutation="ddp_average_on_top")))
+    report = preflight.run_plan(
+        preflight.make_plan(options(arguments, data_parallel_size=2, mutation="ddp_average_on_top"))
+    )
     assert not report.passed and report.drift["over_threshold"] >= 100, report.table()

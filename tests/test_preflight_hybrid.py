@@ -25,7 +25,12 @@ needs_hybrid_model = pytest.mark.skipif(
 )
 HYBRID = [*DENSE, "--hybrid-layer-pattern", "*-*-"]  # sets --num-layers 4 (Megatron-LM derives it from the pattern)
 #: Attention, MLP, attention, MoE (4 experts, top-2): the preflight keeps '*-E'.
-MOE_HYBRID = [*DENSE, "--hybrid-layer-pattern", "*-*E", *"--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64".split()]
+MOE_HYBRID = [
+    *DENSE,
+    "--hybrid-layer-pattern",
+    "*-*E",
+    *"--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64".split(),
+]
 
 
 @needs_hybrid_model
@@ -86,12 +91,23 @@ def test_mamba_layers_are_one_line_exit_2_naming_the_pattern_to_check_instead(tm
 @pytest.mark.parametrize(
     "pattern, message",
     [
-        ("MMMM", MAMBA_REFUSAL.format(pattern="MMMM", fix="your pattern has no attention / MLP / MoE layer for LoRA to adapt")),
-        ("G*G-", "preflight cannot build the gated delta net (G) layers of --hybrid-layer-pattern 'G*G-': its ranks run "
-         "on CPU, where their mixers' kernels (fla) do not run, and LoRA does not adapt mixer linears (it refuses them "
-         "as targets); check the attention / MLP / MoE layers it adapts with --hybrid-layer-pattern '*-' (yours without G)"),
-        ("*-*-/*-", "preflight does not support multi-token prediction layers yet: drop the MTP part ('/*-...') of "
-         "--hybrid-layer-pattern for the preflight"),
+        (
+            "MMMM",
+            MAMBA_REFUSAL.format(
+                pattern="MMMM", fix="your pattern has no attention / MLP / MoE layer for LoRA to adapt"
+            ),
+        ),
+        (
+            "G*G-",
+            "preflight cannot build the gated delta net (G) layers of --hybrid-layer-pattern 'G*G-': its ranks run "
+            "on CPU, where their mixers' kernels (fla) do not run, and LoRA does not adapt mixer linears (it refuses them "
+            "as targets); check the attention / MLP / MoE layers it adapts with --hybrid-layer-pattern '*-' (yours without G)",
+        ),
+        (
+            "*-*-/*-",
+            "preflight does not support multi-token prediction layers yet: drop the MTP part ('/*-...') of "
+            "--hybrid-layer-pattern for the preflight",
+        ),
     ],
 )
 def test_unbuildable_hybrid_layers_are_one_usage_error(user_environ, pattern, message):
@@ -109,6 +125,11 @@ def test_megatron_core_without_hybrid_model_is_one_line_exit_2(tmp_path):
         message = "preflight needs Megatron-LM's argument parser (megatron.training, in megatron-core >= 0.17): "
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
         return
-    assert_one_line_error(result, (
-        "preflight builds --hybrid-layer-pattern models as Megatron-Core's HybridModel, which needs megatron-core "
-        ">= 0.18; upgrade megatron-core, or drop --hybrid-layer-pattern to check a GPT model"), returncode=2)
+    assert_one_line_error(
+        result,
+        (
+            "preflight builds --hybrid-layer-pattern models as Megatron-Core's HybridModel, which needs megatron-core "
+            ">= 0.18; upgrade megatron-core, or drop --hybrid-layer-pattern to check a GPT model"
+        ),
+        returncode=2,
+    )

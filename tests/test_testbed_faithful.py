@@ -135,7 +135,9 @@ def test_reference_exercises_clipping_and_uneven_token_counts(default_results):
 def test_reported_loss_is_the_global_token_mean(default_results):
     """lm loss = sum of masked losses / trainable tokens of the whole global batch."""
     for step_index, step in enumerate(default_results["dp2"]["steps"]):
-        batch = make_global_batch(SETTINGS.seed + step_index, SETTINGS.global_batch_size, DENSE.seq_length, DENSE.vocab_size)
+        batch = make_global_batch(
+            SETTINGS.seed + step_index, SETTINGS.global_batch_size, DENSE.seq_length, DENSE.vocab_size
+        )
         counts = [entry["num_tokens"] for entry in step["microbatches"]]
         assert counts == [int(row.sum()) for row in batch["loss_mask"]]
         total = sum(entry["loss_sum"] for entry in step["microbatches"])

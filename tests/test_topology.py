@@ -68,8 +68,14 @@ def test_equivalent_specs_print_canonically(spec, canonical):
         ("sp-tp2-sp", "invalid topology spec 'sp-tp2-sp': duplicate part 'sp'; give each part at most once"),
         ("tp0", "invalid topology spec 'tp0': size in 'tp0' must be a positive integer, e.g. 'tp2'"),
         ("tp-1", "invalid topology spec 'tp-1': part 'tp' needs a size, e.g. 'tp2'"),
-        ("sp2-tp2", "invalid topology spec 'sp2-tp2': sequence parallel is a flag without a size: write 'sp', not 'sp2'"),
-        ("sp", "invalid topology spec 'sp': sp (sequence parallel) needs tp > 1, got tp1; use e.g. 'tp2-sp' or drop 'sp'"),
+        (
+            "sp2-tp2",
+            "invalid topology spec 'sp2-tp2': sequence parallel is a flag without a size: write 'sp', not 'sp2'",
+        ),
+        (
+            "sp",
+            "invalid topology spec 'sp': sp (sequence parallel) needs tp > 1, got tp1; use e.g. 'tp2-sp' or drop 'sp'",
+        ),
         (
             "dp1-ep2",
             "invalid topology spec 'dp1-ep2': ep2 x etp1 = 2 expert ranks must divide tp*cp*dp = 1 "
@@ -180,7 +186,9 @@ def _process_groups_if_megatron_has_them(topology: Topology) -> dict:
     from megatron.core import process_groups_config
 
     if not hasattr(process_groups_config, "ProcessGroupCollection"):  # Megatron-Core 0.13
-        with pytest.raises(RuntimeError, match="this Megatron-Core has no process_groups_config.ProcessGroupCollection"):
+        with pytest.raises(
+            RuntimeError, match="this Megatron-Core has no process_groups_config.ProcessGroupCollection"
+        ):
             topology.process_groups()
         return {"tp": ps.get_tensor_model_parallel_world_size(), "dp": ps.get_data_parallel_world_size()}
     groups = topology.process_groups()
@@ -234,7 +242,12 @@ def test_initialize_sets_up_parallel_state_on_two_ranks():
     for rank, seen in enumerate(ranks):
         tp2, dp2, ep2, pp2 = (seen[spec] for spec in specs)
         assert (tp2["tp"], tp2["dp"], tp2["pp"], tp2["ep"], tp2["etp"], tp2["expert_dp"]) == (
-            (2, rank, 2), (1, 0, 1), (1, 0), (1, 0), (1, 0), 2
+            (2, rank, 2),
+            (1, 0, 1),
+            (1, 0),
+            (1, 0),
+            (1, 0),
+            2,
         )
         assert (dp2["tp"], dp2["dp"], dp2["pp"], dp2["cp"]) == ((1, 0, 1), (2, rank, 2), (1, 0), (1, 0))
         assert (ep2["dp"], ep2["ep"], ep2["etp"], ep2["expert_dp"]) == ((2, rank, 2), (2, rank), (1, 0), 1)

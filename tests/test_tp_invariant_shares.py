@@ -66,8 +66,14 @@ def _case_tensors(stride: int) -> dict:
         return torch.randn(*shape, generator=generator, dtype=torch.float64)
 
     tokens, features, width, rank = 6, 16, 64, 3
-    return {"x": draw(tokens, features), "weight": draw(width, features), "bias": draw(width),
-            "hidden": draw(tokens, rank), "lora_b": draw(width, rank), "grad": draw(tokens, width)}
+    return {
+        "x": draw(tokens, features),
+        "weight": draw(width, features),
+        "bias": draw(width),
+        "hidden": draw(tokens, rank),
+        "lora_b": draw(width, rank),
+        "grad": draw(tokens, width),
+    }
 
 
 def _leaves(tensors: dict) -> dict:
@@ -99,8 +105,15 @@ def _owned_share_cases(rank: int, world_size: int, group) -> dict:
         tensors = _case_tensors(stride)
         leaves = _leaves(tensors)
         keep = layer == "column"
-        out = owned_columns_linear(leaves["x"], leaves["weight"], leaves["bias"],
-                                   (leaves["hidden"], leaves["lora_b"], SCALE), stride, group, keep)
+        out = owned_columns_linear(
+            leaves["x"],
+            leaves["weight"],
+            leaves["bias"],
+            (leaves["hidden"], leaves["lora_b"], SCALE),
+            stride,
+            group,
+            keep,
+        )
         # column: this rank holds its columns' grad; row: Megatron's SUM passes the complete grad back
         upstream = shard(tensors["grad"], -1, rank, world_size, stride) if keep else tensors["grad"]
         out.backward(upstream)
@@ -119,12 +132,16 @@ def _errors(ranks: list, scale: float = SCALE) -> dict:
         want_out, want_grads = _reference(_case_tensors(stride), scale)
         outs = [ranks[rank][(layer, stride)][0] for rank in range(len(ranks))]
         if layer == "column":
-            out_error = max(_relative_error(out, shard(want_out, -1, rank, len(ranks), stride))
-                            for rank, out in enumerate(outs))
+            out_error = max(
+                _relative_error(out, shard(want_out, -1, rank, len(ranks), stride)) for rank, out in enumerate(outs)
+            )
         else:
             out_error = _relative_error(sum(outs), want_out)
-        grad_error = max(_relative_error(result[(layer, stride)][1][name], want)
-                         for result in ranks for name, want in want_grads.items())
+        grad_error = max(
+            _relative_error(result[(layer, stride)][1][name], want)
+            for result in ranks
+            for name, want in want_grads.items()
+        )
         errors[(layer, stride)] = max(out_error, grad_error)
     return errors
 
@@ -146,4 +163,6 @@ def test_share_output_and_complete_grads_match_the_world_size_1_math(world):
         outside = torch.ones(result[("row", 1)][0].shape[1], dtype=torch.bool)
         for start, stop in owned_chunks(outside.numel(), 1, world, rank):
             outside[start:stop] = False
-        assert (result[("row", 1)][0][:, outside] == 0).all() and outside.sum() == outside.numel() * (world - 1) // world
+        assert (result[("row", 1)][0][:, outside] == 0).all() and outside.sum() == outside.numel() * (
+            world - 1
+        ) // world

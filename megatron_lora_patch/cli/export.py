@@ -20,10 +20,13 @@ def add_parser(commands) -> None:
             "--out is refused unless --force; the adapter is written beside it and moved into place when complete."
         ),
     )
-    export.add_argument("--checkpoint", required=True, help="Megatron-LM --save or iter_NNNNNNN directory, or adapter-only checkpoint")
+    export.add_argument(
+        "--checkpoint", required=True, help="Megatron-LM --save or iter_NNNNNNN directory, or adapter-only checkpoint"
+    )
     export.add_argument("--out", required=True, help="output directory for the PEFT adapter")
     export.add_argument(
-        "--family", default=None,
+        "--family",
+        default=None,
         help="HF model family: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral (MoE experts); default: inferred "
         "from the checkpoint (qwen3 / qwen3_moe with q / k layernorm, else llama / mixtral); refused, naming the "
         "mismatch, when the family cannot represent the model",

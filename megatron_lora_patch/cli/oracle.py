@@ -16,8 +16,22 @@ DEFAULT_TOPOLOGIES = ("tp2", "tp2-sp", "dp2", "pp2", "cp2", "ep2", "tp2-etp2-sp"
 #: `--layout-invariant`'s default: 16 layouts of tp {1, 2, 4} x dp {1, 2, 4} x pp {1, 2}, with and without sp,
 #: up to 8 ranks (docs/architecture.md section 7).
 LAYOUT_TOPOLOGIES = (
-    "tp2", "tp2-sp", "dp2", "pp2", "tp4", "tp4-sp", "dp4", "tp2-dp2", "tp2-dp2-sp", "tp2-pp2", "tp2-pp2-sp",
-    "pp2-dp2", "tp2-pp2-dp2", "tp2-pp2-dp2-sp", "tp2-dp4", "tp4-dp2-sp",
+    "tp2",
+    "tp2-sp",
+    "dp2",
+    "pp2",
+    "tp4",
+    "tp4-sp",
+    "dp4",
+    "tp2-dp2",
+    "tp2-dp2-sp",
+    "tp2-pp2",
+    "tp2-pp2-sp",
+    "pp2-dp2",
+    "tp2-pp2-dp2",
+    "tp2-pp2-dp2-sp",
+    "tp2-dp4",
+    "tp4-dp2-sp",
 )
 #: `--layout-invariant`'s global batch: two microbatches in each of the 8 lanes of its reduction tree.
 LAYOUT_GLOBAL_BATCH = 16
@@ -68,15 +82,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--mutations", default="none", help="none, all, or a comma list of mutation names")
     parser.add_argument("--steps", default="2", help=f"optimizer steps K, 1 to {MAX_STEPS} (default 2)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--model", choices=("dense", "moe", "hybrid", "auto"), default="auto",
-                        help="auto: the MoE model for topologies with ep/etp, the dense GQA model otherwise; "
-                        "hybrid: a HybridModel of attention and MLP layers (Megatron-Core 0.18+)")
+    parser.add_argument(
+        "--model",
+        choices=("dense", "moe", "hybrid", "auto"),
+        default="auto",
+        help="auto: the MoE model for topologies with ep/etp, the dense GQA model otherwise; "
+        "hybrid: a HybridModel of attention and MLP layers (Megatron-Core 0.18+)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the machine-readable report here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG heat map of per-layer errors (needs matplotlib)")
     parser.add_argument("--seed", default="1234", help=f"0 to {MAX_SEED} (default 1234)")
-    parser.add_argument("--layout-invariant", action="store_true",
-                        help="run with the layout_invariant patch; pass only on bitwise-identical results "
-                        "(tp, sp, dp, pp topologies)")
+    parser.add_argument(
+        "--layout-invariant",
+        action="store_true",
+        help="run with the layout_invariant patch; pass only on bitwise-identical results (tp, sp, dp, pp topologies)",
+    )
     parser.add_argument("--tp-invariant", action="store_true", help="deprecated name of --layout-invariant")
     parser.add_argument("--timeout", default="600", help="seconds per run before a world is killed (default 600)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the ranks' Megatron/torch warnings")
@@ -121,12 +141,16 @@ def check_arguments(args: argparse.Namespace) -> tuple:
     topologies = _select(args.topologies, "--topologies", {"default": default, "all": ALL_TOPOLOGIES})
     mutations = mutations_named(_select(args.mutations, "--mutations", {"none": (), "all": tuple(MUTATIONS)}))
     if settings.layout_invariant and mutations:
-        raise OracleError("--layout-invariant runs without mutations: they re-introduce bugs the invariant mode "
-                          "bypasses; drop --mutations")
+        raise OracleError(
+            "--layout-invariant runs without mutations: they re-introduce bugs the invariant mode "
+            "bypasses; drop --mutations"
+        )
     for spec in topologies:
         topology = Topology.parse(spec)
         if topology.world_size == 1:
-            raise OracleError(f"--topologies: {spec!r} is the world-1 reference itself; list topologies of 2 or more ranks")
+            raise OracleError(
+                f"--topologies: {spec!r} is the world-1 reference itself; list topologies of 2 or more ranks"
+            )
         check_topology(topology, settings)
     for option in ("--json", "--plot"):
         if getattr(args, option[2:]):
@@ -191,7 +215,9 @@ def _check_writable(option: str, path: str) -> None:
 
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise OracleError(f"{option} {path}: is a directory; give a file path such as {os.path.join(path, 'oracle.out')}")
+        raise OracleError(
+            f"{option} {path}: is a directory; give a file path such as {os.path.join(path, 'oracle.out')}"
+        )
     if not os.path.isdir(directory):
         problem = "is not a directory" if os.path.exists(directory) else "does not exist"
         raise OracleError(f"{option} {path}: {directory} {problem}; create the directory or choose another path")
@@ -199,4 +225,6 @@ def _check_writable(option: str, path: str) -> None:
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as error:
-        raise OracleError(f"{option} {path}: cannot write in {directory} ({error.strerror}); choose another path") from None
+        raise OracleError(
+            f"{option} {path}: cannot write in {directory} ({error.strerror}); choose another path"
+        ) from None

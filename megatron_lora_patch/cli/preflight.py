@@ -25,19 +25,32 @@ def _positive_int(text: str) -> int:
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
-        "preflight", help="check LoRA on your own model and topology (your pretrain_gpt.py arguments) against world-1",
-        description=_help_text(), formatter_class=argparse.RawDescriptionHelpFormatter,
+        "preflight",
+        help="check LoRA on your own model and topology (your pretrain_gpt.py arguments) against world-1",
+        description=_help_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--json", metavar="PATH", help="write the machine-readable report here")
     parser.add_argument("--steps", type=_positive_int, default=2, help="optimizer steps K (default 2)")
-    parser.add_argument("--layers", type=_positive_int, help="layers to keep (default: the fewest holding every layer kind)")
+    parser.add_argument(
+        "--layers", type=_positive_int, help="layers to keep (default: the fewest holding every layer kind)"
+    )
     parser.add_argument("--seq-length", type=_positive_int, help="sequence length (default: your --seq-length)")
-    parser.add_argument("--micro-batches", type=_positive_int, default=DEFAULT_MICROBATCHES,
-                        help=f"microbatches per data-parallel rank and step (default {DEFAULT_MICROBATCHES})")
-    parser.add_argument("--data-parallel-size", type=_positive_int,
-                        help="data-parallel size (default: the smallest that fits your expert grid)")
+    parser.add_argument(
+        "--micro-batches",
+        type=_positive_int,
+        default=DEFAULT_MICROBATCHES,
+        help=f"microbatches per data-parallel rank and step (default {DEFAULT_MICROBATCHES})",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=_positive_int,
+        help="data-parallel size (default: the smallest that fits your expert grid)",
+    )
     parser.add_argument("--mutation", help="re-introduce one of the oracle's known bugs (the preflight must then FAIL)")
-    parser.add_argument("--max-memory-gib", type=float, help="memory the world-1 reference may use (default: available RAM)")
+    parser.add_argument(
+        "--max-memory-gib", type=float, help="memory the world-1 reference may use (default: available RAM)"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run before a world is killed")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the ranks' Megatron/torch warnings")
     parser.add_argument("megatron_args", nargs=argparse.REMAINDER, help="-- then your pretrain_gpt.py arguments")

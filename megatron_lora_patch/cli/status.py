@@ -16,9 +16,7 @@ def add_parser(commands) -> None:
     """Register the `status` subcommand on the CLI's subparsers."""
     status = commands.add_parser("status", help="what is applied, skipped, and why")
     status.add_argument("--json", action="store_true", help="print a JSON document instead of a table")
-    status.add_argument(
-        "--plugins", help=f"comma list of plugins (default: ${flags.PLUGINS_VARIABLE})", default=None
-    )
+    status.add_argument("--plugins", help=f"comma list of plugins (default: ${flags.PLUGINS_VARIABLE})", default=None)
     status.add_argument(
         "--no-import", action="store_true", help="do not import the target modules (states stay 'not imported yet')"
     )
@@ -54,7 +52,13 @@ def _status(args: argparse.Namespace) -> int:
             "Preview one with: megatron-lora-patch status --plugins lora_correct"
         )
         if args.json:
-            document = {"plugins": [], "installed_plugins": installed, "startup_hook": hook, "patches": [], "message": message}
+            document = {
+                "plugins": [],
+                "installed_plugins": installed,
+                "startup_hook": hook,
+                "patches": [],
+                "message": message,
+            }
             print(json.dumps(document))
         else:
             print(message)
@@ -111,7 +115,8 @@ def format_table(rows: Sequence["object"], fresh: Sequence[str], hook: dict) -> 
         if index:
             lines += [f"    target {target}" for target in rows[index - 1].target.split(", ")]  # type: ignore[attr-defined]
     where = (
-        f"installed at {hook['path']}" if hook["installed"]
+        f"installed at {hook['path']}"
+        if hook["installed"]
         else "NOT installed in any site directory on sys.path, so a training process gets no patch; reinstall the package"
     )
     ran = "ran in this process" if hook["ran_here"] else "did not run in this process"

@@ -20,7 +20,9 @@ def patch_layers(patcher, layers) -> None:
 
     for layer_class in (layers.ColumnParallelLinear, layers.RowParallelLinear):
         if "_forward_impl" not in vars(layer_class):
-            raise SkipPatch(f"{layer_class.__name__}._forward_impl is not a method in this Megatron-Core (needs >= 0.14)")
+            raise SkipPatch(
+                f"{layer_class.__name__}._forward_impl is not a method in this Megatron-Core (needs >= 0.14)"
+            )
     patcher.wrap(layers.ColumnParallelLinear, "_forward_impl", column_forward_impl)
     patcher.wrap(layers.RowParallelLinear, "_forward_impl", row_forward_impl)
     # Their LoRA branch runs at full width on every TP rank: dense replicated factors' grads are

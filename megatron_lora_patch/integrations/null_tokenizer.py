@@ -80,8 +80,7 @@ def _construct_counting_eod(wrapped: Callable, args: tuple, kwargs: dict) -> Opt
     size = int(size)
     if size < 1:
         raise ValueError(
-            f"null_tokenizer patch: --vocab-size counts the end-of-document token, so it must be "
-            f"at least 1; got {size}"
+            f"null_tokenizer patch: --vocab-size counts the end-of-document token, so it must be at least 1; got {size}"
         )
     wrapped(size - 1, *args, **kwargs)
     return size
@@ -145,7 +144,9 @@ def patch_core_wrapper(patcher: Patcher, module: types.ModuleType) -> None:
         return {"eod_id": str(text_tokenizer.eod)} if getattr(text_tokenizer, "library", None) in NULL_LIBRARIES else {}
 
     patcher.replace(
-        wrapper, "unique_identifiers", _identifiers_with(inspect_static(wrapper, "unique_identifiers"), null_library_eod)
+        wrapper,
+        "unique_identifiers",
+        _identifiers_with(inspect_static(wrapper, "unique_identifiers"), null_library_eod),
     )
 
 

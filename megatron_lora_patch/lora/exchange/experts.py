@@ -47,7 +47,11 @@ class ExpertNames:
 
 
 #: MoE families of transformers >= 5 (3D expert parameters).
-EXPERT_TABLE: Dict[str, ExpertNames] = {"qwen3_moe": ExpertNames(), "mixtral": ExpertNames(), "qwen2_moe": ExpertNames()}
+EXPERT_TABLE: Dict[str, ExpertNames] = {
+    "qwen3_moe": ExpertNames(),
+    "mixtral": ExpertNames(),
+    "qwen2_moe": ExpertNames(),
+}
 
 
 def is_expert(name: str) -> bool:
@@ -85,7 +89,7 @@ def _paths(kinds: Iterable[Tuple[int, str]], names: ExpertNames, layers: str) ->
     paths = {}
     for layer, linear in kinds:
         module = f"{layers}.{layer}.{names.experts}"
-        outer = [other for other in _ORDER[_ORDER.index(linear) + 1:] if (layer, other) in kinds]
+        outer = [other for other in _ORDER[_ORDER.index(linear) + 1 :] if (layer, other) in kinds]
         paths[(layer, linear)] = (f"{module}.{getattr(names, linear)}", module + ".base_layer" * len(outer))
     return paths
 
@@ -162,7 +166,9 @@ def from_peft(
         keys = [f"{PEFT_PREFIX}{wrapper}.lora_{factor}.weight" for factor in ("A", "B")]
         for key in keys:
             if key not in tensors:
-                raise peft.PeftFormatError(f"{where}: missing {key} (needed for Megatron {experts[0]} and the other experts)")
+                raise peft.PeftFormatError(
+                    f"{where}: missing {key} (needed for Megatron {experts[0]} and the other experts)"
+                )
         read.update(keys)
         lora_a, lora_b = (tensors[key] for key in keys)
         checks.check_declared_rank(config, path, lora_a, where, num_experts)

@@ -29,6 +29,8 @@ from megatron_lora_patch.lora.exchange.names import PEFT_PREFIX
 from megatron_lora_patch.lora.layers.trained_fully import TIED, saved_modules
 
 HF_MODULES = {"output_layer": "lm_head", "embedding.word_embeddings": "model.embed_tokens"}
+
+
 def _peft_key(name: str) -> str:
     return f"{PEFT_PREFIX}{HF_MODULES[name]}.weight"
 
@@ -45,7 +47,10 @@ def to_peft(full: Dict[str, torch.Tensor], description: dict) -> Tuple[Dict[str,
         tensors = {_peft_key(TIED): weight, _peft_key("output_layer"): weight.clone()}
         return tensors, {"modules_to_save": [_peft_entry(TIED)], "ensure_weight_tying": True}
     tensors = {_peft_key(name): weight.contiguous() for name, weight in full.items()}
-    return tensors, {"modules_to_save": sorted(_peft_entry(name) for name in full) or None, "ensure_weight_tying": False}
+    return tensors, {
+        "modules_to_save": sorted(_peft_entry(name) for name in full) or None,
+        "ensure_weight_tying": False,
+    }
 
 
 def split(tensors: Dict[str, torch.Tensor], config: dict, description: dict, where: str, error: type) -> tuple:
@@ -58,17 +63,23 @@ def split(tensors: Dict[str, torch.Tensor], config: dict, description: dict, whe
     entries = sorted({str(entry).rsplit(".", 1)[-1] for entry in listed})  # peft may add "model.embed_tokens"
     unknown = [entry for entry in entries if entry not in by_entry]
     if unknown:
-        raise error(f"{where}: modules_to_save entry {unknown[0]!r} cannot train fully in Megatron; supported: "
-                    f"{', '.join(by_entry)}")
+        raise error(
+            f"{where}: modules_to_save entry {unknown[0]!r} cannot train fully in Megatron; supported: "
+            f"{', '.join(by_entry)}"
+        )
     tied = bool(expected and description.get("tied_embeddings"))
     if tied and not (config.get("ensure_weight_tying") and _peft_entry(TIED) in entries):
-        raise error(f"{where}: the model's tied embeddings train fully as one weight, the adapter needs "
-                    "modules_to_save with embed_tokens and ensure_weight_tying=true (train it so in peft)")
+        raise error(
+            f"{where}: the model's tied embeddings train fully as one weight, the adapter needs "
+            "modules_to_save with embed_tokens and ensure_weight_tying=true (train it so in peft)"
+        )
     want = sorted(_peft_entry(name) for name in expected)
     if not tied and entries != want:
         fix = "MEGATRON_LORA_MODULES_TO_SAVE=" + ",".join(by_entry[entry] for entry in entries)
-        raise error(f"{where}: modules_to_save={entries} but the model trains fully {want}; build it with "
-                    f"{fix if entries else 'MEGATRON_LORA_MODULES_TO_SAVE unset'}")
+        raise error(
+            f"{where}: modules_to_save={entries} but the model trains fully {want}; build it with "
+            f"{fix if entries else 'MEGATRON_LORA_MODULES_TO_SAVE unset'}"
+        )
     rest = dict(tensors)
     full = {}
     for name in expected:

@@ -47,8 +47,10 @@ from megatron_lora_patch.lora.exchange.names import (
     names_for,
 )
 
-_LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|"
-                           r"mlp\.(?:shared_experts\.)?linear_fc1|mlp\.(?:shared_experts\.)?linear_fc2)$")
+_LAYER_MODULE = re.compile(
+    r"^decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|"
+    r"mlp\.(?:shared_experts\.)?linear_fc1|mlp\.(?:shared_experts\.)?linear_fc2)$"
+)
 
 
 def _projections(module: str, names: HfNames, gated: bool) -> List[str]:
@@ -195,7 +197,10 @@ def from_peft(
         if name in logical:
             continue
         layer, module = _parse(name)
-        layer_paths[name] = (module, [f"{names.layers}.{layer}.{p}" for p in _projections(module, names, description["gated_linear_unit"])])
+        layer_paths[name] = (
+            module,
+            [f"{names.layers}.{layer}.{p}" for p in _projections(module, names, description["gated_linear_unit"])],
+        )
     known = {
         f"{PEFT_PREFIX}{path}.lora_{factor}.weight"
         for _, paths in layer_paths.values()
@@ -210,8 +215,15 @@ def from_peft(
     return logical
 
 
-def _dense_from_peft(tensors: Dict[str, torch.Tensor], config: dict, description: dict, name: str, module: str,
-                     paths: List[str], where: str) -> Tuple[torch.Tensor, torch.Tensor]:
+def _dense_from_peft(
+    tensors: Dict[str, torch.Tensor],
+    config: dict,
+    description: dict,
+    name: str,
+    module: str,
+    paths: List[str],
+    where: str,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """The logical (A, B) of one non-expert Megatron module from its PEFT projections `paths`."""
     a_parts, b_parts = [], []
     for path in paths:
@@ -236,5 +248,7 @@ def _dense_from_peft(tensors: Dict[str, torch.Tensor], config: dict, description
     try:
         lora_b = _join_b(module, b_parts, description)
     except (RuntimeError, ValueError):
-        raise PeftFormatError(f"{where}: lora_B shapes {[tuple(b.shape) for b in b_parts]} of {paths} do not fit Megatron {name}") from None
+        raise PeftFormatError(
+            f"{where}: lora_B shapes {[tuple(b.shape) for b in b_parts]} of {paths} do not fit Megatron {name}"
+        ) from None
     return a_parts[0], lora_b

@@ -45,7 +45,7 @@ def logical_from_checkpoint(directory: str) -> Tuple[dict, Logical, Dict[str, to
         module, factor = match.group("module"), match.group("factor")
         for layer, per_layer in enumerate(tensor.unbind(0)):  # axis 0: global layer index
             if module.startswith(_EXPERTS_KEY):  # SequentialMLP / TEGroupedMLP: `local_experts.<i>.` -> `experts.`
-                linear = module[len(_EXPERTS_KEY):]
+                linear = module[len(_EXPERTS_KEY) :]
                 for expert, value in enumerate(per_layer.unbind(0)):  # axis 1: global expert index
                     name = f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.{linear}"
                     factors.setdefault(name, {})[factor] = value.clone()
@@ -64,7 +64,6 @@ class ArgumentNames:
     overwrite: str = "pass overwrite=True"
 
 
-
 def _check_apart(checkpoint_dir: str, out_dir: str, names: ArgumentNames) -> None:
     """The output must not be, contain or sit inside the checkpoint (replacing it would destroy the input)."""
     source, target = os.path.realpath(checkpoint_dir), os.path.realpath(out_dir)
@@ -76,7 +75,10 @@ def _check_apart(checkpoint_dir: str, out_dir: str, names: ArgumentNames) -> Non
 
 
 def export_peft(
-    checkpoint_dir: str, out_dir: str, family: Optional[str] = None, overwrite: bool = False,
+    checkpoint_dir: str,
+    out_dir: str,
+    family: Optional[str] = None,
+    overwrite: bool = False,
     names: ArgumentNames = ArgumentNames(),
 ) -> Dict[str, torch.Tensor]:
     """Write the PEFT adapter of a checkpoint with adapters (see `checkpoint_source`) to `out_dir`; returns the PEFT tensors.
@@ -124,7 +126,9 @@ def _logical_shapes(adapter: LoraAdapter) -> Tuple[tuple, tuple]:
     return tuple(a_shape), tuple(b_shape)
 
 
-def _local_slices(adapter: LoraAdapter, lora_a: torch.Tensor, lora_b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _local_slices(
+    adapter: LoraAdapter, lora_a: torch.Tensor, lora_b: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """This rank's (A, B) cut from the logical factors, the way the adapter was sharded at init."""
     rank, world = _tp_position(adapter)
     if adapter.parallel_mode == "column":

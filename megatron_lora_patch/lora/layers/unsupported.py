@@ -34,7 +34,9 @@ def _gtp_sizes(model: torch.nn.Module, linears: Iterable[torch.nn.Module]) -> Tu
     return max(dense, built), expert
 
 
-def refuse_unsupported(model: torch.nn.Module, selected: Iterable[Tuple[str, torch.nn.Module, torch.nn.Module]]) -> None:
+def refuse_unsupported(
+    model: torch.nn.Module, selected: Iterable[Tuple[str, torch.nn.Module, torch.nn.Module]]
+) -> None:
     """Raise `UnsupportedModelError` for GTP, or for selected `(name, linear, parent)` in an SSM mixer."""
     selected = list(selected)
     dense, expert = _gtp_sizes(model, (module for _, module, _ in selected))

@@ -59,14 +59,15 @@ def _replicated_factors_of(chunk: torch.nn.Module) -> tuple:
     if cached is not None and cached[0] == metadata.generation():
         return cached[1]
     factors = tuple(
-        (param, info) for param in chunk.parameters()
-        if (info := adapter_info(param)) is not None and info.replicated
+        (param, info) for param in chunk.parameters() if (info := adapter_info(param)) is not None and info.replicated
     )
     _REPLICATED_OF_CHUNK[chunk] = (metadata.generation(), factors)
     return factors
 
 
-def replicated_adapter_params(model_chunks: Iterable[torch.nn.Module]) -> Iterator[Tuple[torch.nn.Parameter, AdapterParamInfo]]:
+def replicated_adapter_params(
+    model_chunks: Iterable[torch.nn.Module],
+) -> Iterator[Tuple[torch.nn.Parameter, AdapterParamInfo]]:
     """Trainable replicated adapter factors whose domain spans more than one rank, in model order.
 
     Model order is identical on every rank of a domain (same module structure), which is
@@ -78,7 +79,9 @@ def replicated_adapter_params(model_chunks: Iterable[torch.nn.Module]) -> Iterat
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
-            if getattr(param, "sequence_parallel", False) or getattr(param, "average_gradients_across_tp_domain", False):
+            if getattr(param, "sequence_parallel", False) or getattr(
+                param, "average_gradients_across_tp_domain", False
+            ):
                 # Megatron's finalize already all-reduces such grads over TP: a second SUM would double them.
                 raise ValueError(
                     f"replicated LoRA factor {info.module}.{info.factor} also carries `sequence_parallel` or "
@@ -92,7 +95,9 @@ def replicated_adapter_params(model_chunks: Iterable[torch.nn.Module]) -> Iterat
                 yield param, info
 
 
-def bucket_replicated_adapter_grads(model_chunks: Iterable[torch.nn.Module]) -> Dict[BucketKey, Tuple[Any, List[torch.Tensor]]]:
+def bucket_replicated_adapter_grads(
+    model_chunks: Iterable[torch.nn.Module],
+) -> Dict[BucketKey, Tuple[Any, List[torch.Tensor]]]:
     """(group, grads) to SUM, keyed by (domain ranks, op, dtype, device) in first-seen order.
 
     Keyed by the ranks, not the group object: expert TP and dense TP are distinct groups over

@@ -80,7 +80,9 @@ class OracleError(UsageError, ValueError):
 def model_for(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
     expert_parallel = topology.ep > 1 or topology.etp > 1
     if settings.model in ("dense", "hybrid") and expert_parallel:
-        raise OracleError(f"topology {topology} shards experts but --model {settings.model} has none; use --model auto or moe")
+        raise OracleError(
+            f"topology {topology} shards experts but --model {settings.model} has none; use --model auto or moe"
+        )
     if settings.model == "hybrid" and importlib.util.find_spec("megatron.core.models.hybrid") is None:
         raise OracleError("--model hybrid needs Megatron-Core 0.18 or newer (HybridModel); use --model dense")
     if settings.model == "hybrid":
@@ -102,8 +104,9 @@ def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
             "use topologies like tp2, tp2-sp, dp2, pp2, tp2-dp2"
         )
     if settings.layout_invariant and LANES % topology.dp:
-        raise OracleError(f"--layout-invariant needs a dp dividing {LANES} (1, 2, 4, 8); {topology} has "
-                          f"dp{topology.dp}")
+        raise OracleError(
+            f"--layout-invariant needs a dp dividing {LANES} (1, 2, 4, 8); {topology} has dp{topology.dp}"
+        )
     check_topology_fits(spec, topology)
     return spec
 
@@ -197,8 +200,9 @@ def run_oracle(
     `rank_warnings`: the ranks' warnings filter ("default" shows Megatron's and torch's)."""
     started = time.monotonic()
     if settings.layout_invariant and mutations:
-        raise OracleError("--layout-invariant runs without mutations: they re-introduce bugs the invariant mode "
-                          "bypasses")
+        raise OracleError(
+            "--layout-invariant runs without mutations: they re-introduce bugs the invariant mode bypasses"
+        )
     runs = [(Topology.parse(spec), None) for spec in topologies]
     runs += [(Topology.parse(mutation.topology), mutation) for mutation in mutations]
     run_settings = [mutation_settings(settings, m) for _, m in runs]
@@ -228,10 +232,14 @@ def run_oracle(
         if mutation is None:
             wall_s = max((record.get("wall_s", 0.0) for record in records or ()), default=0.0)
             report.topologies.append(
-                TopologyResult(str(topology), topology.world_size, phases, error, routing, wall_s, model_name(job.spec), note)
+                TopologyResult(
+                    str(topology), topology.world_size, phases, error, routing, wall_s, model_name(job.spec), note
+                )
             )
         else:
-            report.mutations.append(MutationResult(mutation.name, str(topology), mutation.bug, phases, error, routing, note))
+            report.mutations.append(
+                MutationResult(mutation.name, str(topology), mutation.bug, phases, error, routing, note)
+            )
     report.wall_s = time.monotonic() - started
     return report
 
@@ -243,8 +251,9 @@ def _judge(job: Job, records, error: Optional[str], expected: tuple, settings: O
     shapes, reference_phases, reference_routing = expected
     try:
         phases = compare(canonical_phases(records, job.spec, shapes), reference_phases, settings)
-        routing = canonical.routing_divergence(_compared_steps(routing_maps(records), settings),
-                                               _compared_steps(reference_routing, settings))
+        routing = canonical.routing_divergence(
+            _compared_steps(routing_maps(records), settings), _compared_steps(reference_routing, settings)
+        )
         return phases, routing, None
     except (ValueError, KeyError) as problem:  # a layout mismatch is a failure, never a pass
         return {}, "", f"comparison failed: {type(problem).__name__}: {problem}"
@@ -252,7 +261,11 @@ def _judge(job: Job, records, error: Optional[str], expected: tuple, settings: O
 
 def _compared_steps(routing: dict, settings: OracleSettings) -> dict:
     """The routing decisions of the steps whose grads are compared (bf16: step 0 only)."""
-    return {key: value for key, value in routing.items() if settings.threshold("grads", int(STEP_KEY.match(key).group(1))) is not None}
+    return {
+        key: value
+        for key, value in routing.items()
+        if settings.threshold("grads", int(STEP_KEY.match(key).group(1))) is not None
+    }
 
 
 def model_name(spec: TinyGPTSpec) -> str:

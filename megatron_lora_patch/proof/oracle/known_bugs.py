@@ -314,7 +314,9 @@ def finalize_with_local_trained_fully_grads(model, num_tokens=None, *args, **kwa
 
     from megatron_lora_patch.lora.layers.trained_fully import is_trained_fully
 
-    local = [(param, param.main_grad.clone()) for chunk in model for param in chunk.parameters() if is_trained_fully(param)]
+    local = [
+        (param, param.main_grad.clone()) for chunk in model for param in chunk.parameters() if is_trained_fully(param)
+    ]
     result = distributed.finalize_model_grads(model, num_tokens, *args, **kwargs)  # all-reduces num_tokens in place
     for param, grad in local:
         param.main_grad.copy_(grad if num_tokens is None else grad / num_tokens.clamp(min=1))
@@ -329,5 +331,7 @@ def skip_tied_embedding_grad_sync(patcher: Patcher) -> None:
     """Megatron's all-reduce of the tied word-embedding grads over first and last stage never runs."""
     import importlib
 
-    module = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the package attr is the function
+    module = importlib.import_module(
+        "megatron.core.distributed.finalize_model_grads"
+    )  # the package attr is the function
     patcher.replace(module, "_allreduce_word_embedding_grads", _no_word_embedding_grad_all_reduce)

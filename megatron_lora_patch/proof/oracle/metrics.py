@@ -55,7 +55,9 @@ class PhaseMetrics:
         return dataclasses.asdict(self) | {"passed": self.passed}
 
 
-def compare_tensors(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], threshold: float) -> PhaseMetrics:
+def compare_tensors(
+    actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], threshold: float
+) -> PhaseMetrics:
     """Metrics over the same-named tensors; a missing or extra name is an error, never a pass."""
     if set(actual) != set(expected):
         raise ValueError(
@@ -65,7 +67,9 @@ def compare_tensors(actual: Mapping[str, torch.Tensor], expected: Mapping[str, t
     if not expected:
         raise ValueError("nothing to compare: the reference captured no tensor for this phase")
     if not any(bool(tensor.any()) for tensor in expected.values()):
-        raise ValueError(f"nothing to compare: every reference tensor is zero ({len(expected)} tensors, e.g. {next(iter(expected))})")
+        raise ValueError(
+            f"nothing to compare: every reference tensor is zero ({len(expected)} tensors, e.g. {next(iter(expected))})"
+        )
     errors = {name: relative_error(actual[name], expected[name]) for name in expected}
     worst = max(errors, key=lambda name: (errors[name] != errors[name], errors[name]))  # NaN first
     layers: dict[str, list[float]] = {}
@@ -120,7 +124,9 @@ def compare_results(result: dict, reference: dict) -> Dict[str, float]:
             raise ValueError("microbatch losses differ in count or kind from the reference")
         for got_mb, want_mb in zip(got["microbatches"], want["microbatches"]):
             for key in want_mb:
-                worst["loss"] = max(worst["loss"], relative_error(torch.tensor(got_mb[key]), torch.tensor(want_mb[key])))
+                worst["loss"] = max(
+                    worst["loss"], relative_error(torch.tensor(got_mb[key]), torch.tensor(want_mb[key]))
+                )
         for key in ("lm_loss", "grad_norm"):
             worst[key] = max(worst[key], relative_error(torch.tensor(got[key]), torch.tensor(want[key])))
         for phase in ("grads", "params"):

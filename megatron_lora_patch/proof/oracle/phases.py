@@ -44,7 +44,9 @@ def canonical_phases(records: List[dict], spec: TinyGPTSpec, shapes: Dict[str, t
 def adapter_shapes(reference_records: List[dict]) -> Dict[str, tuple]:
     """Logical shapes of every captured parameter, read off the world-1 run (its tensors are whole)."""
     (record,) = reference_records
-    return {record["shards"][name].logical_name: tuple(tensor.shape) for name, tensor in record["initial_params"].items()}
+    return {
+        record["shards"][name].logical_name: tuple(tensor.shape) for name, tensor in record["initial_params"].items()
+    }
 
 
 def compare(candidate: dict, reference: dict, settings) -> Dict[str, PhaseMetrics]:
@@ -63,7 +65,13 @@ def compare(candidate: dict, reference: dict, settings) -> Dict[str, PhaseMetric
             )
         by_step: Dict[int, list] = {}
         for key in expected:
-            step = settings.steps - 1 if phase == "deltas" else int(STEP_KEY.match(key).group(1)) if STEP_KEY.match(key) else 0
+            step = (
+                settings.steps - 1
+                if phase == "deltas"
+                else int(STEP_KEY.match(key).group(1))
+                if STEP_KEY.match(key)
+                else 0
+            )
             by_step.setdefault(step, []).append(key)
         measure = compare_scalars if phase in ("loss", "grad_norm") else compare_tensors
         judged = [

@@ -53,19 +53,40 @@ class Plan:
     def describe(self) -> dict:
         args, spec = self.spec.args, self.spec
         return {
-            "topology": str(self.topology), "world_size": self.topology.world_size, "device": "cpu+gloo",
-            "layers": {"yours": args.num_layers, "kept": spec.num_layers, "kinds": list(spec.kinds),
-                       "hybrid_pattern": {"yours": args.hybrid_layer_pattern, "kept": spec.hybrid_pattern}
-                       if spec.hybrid_pattern else None},
-            "width": {"hidden": args.hidden_size, "heads": args.num_attention_heads, "query_groups": args.num_query_groups
-                      if args.group_query_attention else args.num_attention_heads, "ffn": args.ffn_hidden_size,
-                      "experts": args.num_experts, "topk": args.moe_router_topk if args.num_experts else None,
-                      "vocab": spec.padded_vocab_size},
-            "seq_length": spec.seq_length, "micro_batch_size": args.micro_batch_size, "micro_batches": self.micro_batches,
-            "dtype": spec.dtype, "steps": self.steps, "parameters": self.parameters,
-            "data": self.data_path or "mock", "lora": dataclasses.asdict(self.lora), "patches": self.patches, "mutation": self.mutation.name if self.mutation else None,
-            "changed": [{"setting": name, "yours": str(old), "preflight": str(new)}
-                        for name, old, new in [*spec.changes(), *self.lora_changes]],
+            "topology": str(self.topology),
+            "world_size": self.topology.world_size,
+            "device": "cpu+gloo",
+            "layers": {
+                "yours": args.num_layers,
+                "kept": spec.num_layers,
+                "kinds": list(spec.kinds),
+                "hybrid_pattern": {"yours": args.hybrid_layer_pattern, "kept": spec.hybrid_pattern}
+                if spec.hybrid_pattern
+                else None,
+            },
+            "width": {
+                "hidden": args.hidden_size,
+                "heads": args.num_attention_heads,
+                "query_groups": args.num_query_groups if args.group_query_attention else args.num_attention_heads,
+                "ffn": args.ffn_hidden_size,
+                "experts": args.num_experts,
+                "topk": args.moe_router_topk if args.num_experts else None,
+                "vocab": spec.padded_vocab_size,
+            },
+            "seq_length": spec.seq_length,
+            "micro_batch_size": args.micro_batch_size,
+            "micro_batches": self.micro_batches,
+            "dtype": spec.dtype,
+            "steps": self.steps,
+            "parameters": self.parameters,
+            "data": self.data_path or "mock",
+            "lora": dataclasses.asdict(self.lora),
+            "patches": self.patches,
+            "mutation": self.mutation.name if self.mutation else None,
+            "changed": [
+                {"setting": name, "yours": str(old), "preflight": str(new)}
+                for name, old, new in [*spec.changes(), *self.lora_changes]
+            ],
         }
 
     def summary(self) -> str:
@@ -81,7 +102,9 @@ class Plan:
         lines.append(f"  data: {'the first tokens of ' + self.data_path if self.data_path else 'mock'}")
         lines.append("  patches (from your environment): " + ", ".join(name for name, on in self.patches.items() if on))
         lines.append(f"  LoRA (from your environment): {lora_settings(self.lora)}")
-        lines += [f"  changed: {item['setting']} {item['yours']} -> {item['preflight']}" for item in described["changed"]]
+        lines += [
+            f"  changed: {item['setting']} {item['yours']} -> {item['preflight']}" for item in described["changed"]
+        ]
         if self.mutation:
             lines.append(f"  mutation: {self.mutation.name} ({self.mutation.bug})")
         return "\n".join(lines)
@@ -107,7 +130,9 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
     argv = list(options.megatron_args or [])
     argv = argv[1:] if argv[:1] == ["--"] else argv
     if not argv:
-        raise UsageError("preflight needs your pretrain_gpt.py arguments after --, e.g. preflight -- --num-layers 32 ...")
+        raise UsageError(
+            "preflight needs your pretrain_gpt.py arguments after --, e.g. preflight -- --num-layers 32 ..."
+        )
     mutation = _mutation(options.mutation)
     try:
         user_lora = LoraConfig.from_env(environ)
@@ -115,8 +140,11 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
         raise UsageError(str(error)) from None
     # Dropout masks cannot match across topologies; a zero B would make A's first grads trivially zero.
     lora = dataclasses.replace(user_lora, dropout=0.0, b_init="nonzero")
-    lora_changes = tuple((f"MEGATRON_LORA_{name.upper()}", getattr(user_lora, name), getattr(lora, name))
-                         for name in ("dropout", "b_init") if getattr(user_lora, name) != getattr(lora, name))
+    lora_changes = tuple(
+        (f"MEGATRON_LORA_{name.upper()}", getattr(user_lora, name), getattr(lora, name))
+        for name in ("dropout", "b_init")
+        if getattr(user_lora, name) != getattr(lora, name)
+    )
     patches = _user_patches()
     topology_of = functools.partial(_topology_of, options.data_parallel_size)
     try:
@@ -129,7 +157,9 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
                 "--data-parallel-size N before --"
             )
         spec = ArgsModelSpec.from_args(args, layers=options.layers, seq_length=options.seq_length)
-        topology.validate(num_experts=spec.num_experts, num_layers=spec.num_layers, seq_length=spec.seq_length, max_world=None)
+        topology.validate(
+            num_experts=spec.num_experts, num_layers=spec.num_layers, seq_length=spec.seq_length, max_world=None
+        )
         spec.check(topology)
         check_widths(spec, topology)  # Megatron asserts these only when a rank builds the layer
     except TopologyError as error:
@@ -137,8 +167,20 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
     if mutation is not None and mutation.model == "moe" and not spec.is_moe:
         raise UsageError(f"mutation {mutation.name} needs a MoE model; your arguments have no --num-experts")
     parameters = _check_memory(spec, options.max_memory_gib)
-    plan = Plan(spec, topology, lora, patches, lora_changes, mutation, options.steps, options.micro_batches,
-                options.timeout, parameters, _data_prefix(args), "default" if getattr(options, "verbose", False) else "ignore")
+    plan = Plan(
+        spec,
+        topology,
+        lora,
+        patches,
+        lora_changes,
+        mutation,
+        options.steps,
+        options.micro_batches,
+        options.timeout,
+        parameters,
+        _data_prefix(args),
+        "default" if getattr(options, "verbose", False) else "ignore",
+    )
     if plan.data_path:
         _check_data(plan)
     return plan
@@ -190,7 +232,10 @@ def _topology_of(data_parallel_size: Optional[int], args: argparse.Namespace):
     tp = args.tensor_model_parallel_size
     try:
         return Topology(
-            tp=tp, pp=args.pipeline_model_parallel_size, cp=args.context_parallel_size, dp=data_parallel_size,
+            tp=tp,
+            pp=args.pipeline_model_parallel_size,
+            cp=args.context_parallel_size,
+            dp=data_parallel_size,
             ep=args.expert_model_parallel_size,
             etp=(args.expert_tensor_parallel_size or tp) if args.num_experts else 1,  # Megatron defaults it to tp
             sp=bool(args.sequence_parallel) and tp > 1,
@@ -231,9 +276,16 @@ def run_plan(plan: Plan):
     started = time.monotonic()
     name = str(plan.topology) + (f" +{plan.mutation.name}" if plan.mutation else "")
     model = plan.spec.family
-    report = PreflightReport(settings={"thresholds": plan.limits.thresholds, "dtype": plan.spec.dtype, "steps": plan.steps,
-                                       "seed": plan.spec.args.seed, "model_summaries": {model: "your model (above)"}},
-                             preflight=plan.describe())
+    report = PreflightReport(
+        settings={
+            "thresholds": plan.limits.thresholds,
+            "dtype": plan.spec.dtype,
+            "steps": plan.steps,
+            "seed": plan.spec.args.seed,
+            "model_summaries": {model: "your model (above)"},
+        },
+        preflight=plan.describe(),
+    )
     with _cpu_only():
         reference, error = _run(plan, Topology(), None)
         if error:
@@ -259,18 +311,25 @@ def _run(plan: Plan, topology, mutation):
     from megatron_lora_patch.proof.testbed.runner import Job, run_jobs
 
     micro_batch_size = plan.spec.args.micro_batch_size
-    capture = Capture(forward=canonical.is_captured,
-                      on_step_end=functools.partial(_on_step_end, plan.spec.seq_length, micro_batch_size))
+    capture = Capture(
+        forward=canonical.is_captured,
+        on_step_end=functools.partial(_on_step_end, plan.spec.seq_length, micro_batch_size),
+    )
     settings = TrainSettings(
-        steps=plan.steps, seed=plan.spec.args.seed, micro_batch_size=micro_batch_size,
-        global_batch_size=micro_batch_size * plan.topology.dp * plan.micro_batches, capture=capture,
+        steps=plan.steps,
+        seed=plan.spec.args.seed,
+        micro_batch_size=micro_batch_size,
+        global_batch_size=micro_batch_size * plan.topology.dp * plan.micro_batches,
+        capture=capture,
         data_path=plan.data_path,
         # The world-1 reference keeps the plain optimizer: an independent check of the distributed one.
         use_distributed_optimizer=bool(plan.spec.args.use_distributed_optimizer) and topology.world_size > 1,
     )
     if mutation is not None and mutation.settings:
         settings = dataclasses.replace(settings, **mutation.settings)
-    job = Job(plan.spec, topology, settings, context=functools.partial(preflight_job, plan.lora, plan.patches, mutation))
+    job = Job(
+        plan.spec, topology, settings, context=functools.partial(preflight_job, plan.lora, plan.patches, mutation)
+    )
     try:
         return run_jobs([job], timeout=plan.timeout_s, warnings=plan.rank_warnings)[0], None
     except WorldError as error:

@@ -187,7 +187,15 @@ class OracleReport:
             phase = max(mutation.phases, key=lambda p: mutation.phases[p].ratio) if mutation.phases else "-"
             ratio = "-" if mutation.errored else f"{mutation.worst_ratio:.3g}"
             result = mutation.outcome.upper() if mutation.outcome != "caught" else "caught"
-            rows.append([mutation.name, mutation.topology, ratio, phase, result + (" (routing diverged)" if mutation.routing else "")])
+            rows.append(
+                [
+                    mutation.name,
+                    mutation.topology,
+                    ratio,
+                    phase,
+                    result + (" (routing diverged)" if mutation.routing else ""),
+                ]
+            )
         return rows
 
 
@@ -203,7 +211,9 @@ def _tail(text: str, lines: int = TRACEBACK_TAIL) -> str:
     all_lines = text.rstrip().splitlines()
     if len(all_lines) <= lines + 1:
         return "\n".join("  " + line for line in all_lines)
-    kept = [all_lines[0], f"  ... ({len(all_lines) - lines - 1} lines; the full traceback is in --json)"] + all_lines[-lines:]
+    kept = [all_lines[0], f"  ... ({len(all_lines) - lines - 1} lines; the full traceback is in --json)"] + all_lines[
+        -lines:
+    ]
     return "\n".join("  " + line for line in kept)
 
 

@@ -93,8 +93,10 @@ def routing_must_match(dtype: str, layout_invariant: bool = False) -> bool:
 def describe(dtype: str, layout_invariant: bool = False) -> dict:
     """{phase: {"step 0": t, "later steps": t}} for the report (None: not compared)."""
     return {
-        phase: {"step 0": threshold(dtype, phase, 0, layout_invariant),
-                "later steps": threshold(dtype, phase, 1, layout_invariant)}
+        phase: {
+            "step 0": threshold(dtype, phase, 0, layout_invariant),
+            "later steps": threshold(dtype, phase, 1, layout_invariant),
+        }
         for phase in PHASES
     }
 
@@ -104,7 +106,9 @@ def _check() -> None:
         for phase, pair in phases.items():
             for value in pair:
                 if value is not None and not 0 <= value < 1:
-                    raise ValueError(f"threshold {dtype}/{phase} = {value}: must be in [0, 1) (an all-zero tensor is 1.0)")
+                    raise ValueError(
+                        f"threshold {dtype}/{phase} = {value}: must be in [0, 1) (an all-zero tensor is 1.0)"
+                    )
 
 
 _check()

@@ -54,8 +54,12 @@ def _refuse_unbuildable(pattern: str, layers: str) -> None:
         named = " and ".join(f"{SSM_LAYERS[symbol][0]} ({symbol})" for symbol in ssm)
         kernels = ", ".join(SSM_LAYERS[symbol][1] for symbol in ssm)
         rest = "".join(symbol for symbol in layers if symbol not in SSM_LAYERS)
-        fix = (f"check the attention / MLP / MoE layers it adapts with --hybrid-layer-pattern '{rest}' (yours without "
-               f"{', '.join(ssm)})" if rest else "your pattern has no attention / MLP / MoE layer for LoRA to adapt")
+        fix = (
+            f"check the attention / MLP / MoE layers it adapts with --hybrid-layer-pattern '{rest}' (yours without "
+            f"{', '.join(ssm)})"
+            if rest
+            else "your pattern has no attention / MLP / MoE layer for LoRA to adapt"
+        )
         raise UsageError(
             f"preflight cannot build the {named} layers of --hybrid-layer-pattern '{pattern}': its ranks run on CPU, "
             f"where their mixers' kernels ({kernels}) do not run, and LoRA does not adapt mixer linears (it refuses "

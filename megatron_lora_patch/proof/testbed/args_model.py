@@ -78,7 +78,9 @@ def scaled_kinds(kinds: Sequence[str], pp: int, layers: Optional[int] = None) ->
     if layers is None:
         layers = math.ceil(len(distinct) / pp) * pp
     if layers < len(distinct):
-        raise UsageError(f"--layers {layers} cannot hold every layer kind ({', '.join(distinct)}); use --layers {len(distinct)} or more")
+        raise UsageError(
+            f"--layers {layers} cannot hold every layer kind ({', '.join(distinct)}); use --layers {len(distinct)} or more"
+        )
     if layers % pp:
         raise UsageError(f"--layers {layers} is not divisible by the pipeline size {pp}; use a multiple of {pp}")
     most_common = max(distinct, key=kinds.count)
@@ -118,7 +120,9 @@ class ArgsModelSpec:
         kinds = layer_kinds(args)  # first: a hybrid pattern's own refusals name the pattern
         for name, what in UNSUPPORTED:
             if getattr(args, name, None):
-                raise UsageError(f"preflight does not support {what} yet: drop --{name.replace('_', '-')} for the preflight")
+                raise UsageError(
+                    f"preflight does not support {what} yet: drop --{name.replace('_', '-')} for the preflight"
+                )
         vocab, padded = padded_vocab_size(args)
         kinds = scaled_kinds(kinds, args.pipeline_model_parallel_size, layers)
         return cls(args, kinds, seq_length or args.seq_length, vocab, padded, cpu)
@@ -157,7 +161,11 @@ class ArgsModelSpec:
     def changes(self) -> List[Tuple[str, Any, Any]]:
         """(argument, the user's value, the value the preflight runs with), beyond depth and sequence."""
         overrides = DROPOUT_OFF + (CPU_OFF if self.cpu else ())
-        return [(name, getattr(self.args, name, None), value) for name, value in overrides if getattr(self.args, name, None) != value]
+        return [
+            (name, getattr(self.args, name, None), value)
+            for name, value in overrides
+            if getattr(self.args, name, None) != value
+        ]
 
     def run_args(self, topology: Any) -> argparse.Namespace:
         """The arguments of this scaled model on `topology` (None: the world-size-1 reference)."""
@@ -170,8 +178,10 @@ class ArgsModelSpec:
         args.expert_tensor_parallel_size = sizes["etp"]
         # validate_args resolved the weight-shard counts for the user's TP / expert-TP sizes; on another
         # topology they mean GTP (gtp_weight_remat_size = shards // tp), which LoRA refuses: one shard per rank.
-        for shards, size in (("tensor_parallel_num_weight_shards", sizes["tp"]),
-                             ("expert_tensor_parallel_num_weight_shards", sizes["etp"])):
+        for shards, size in (
+            ("tensor_parallel_num_weight_shards", sizes["tp"]),
+            ("expert_tensor_parallel_num_weight_shards", sizes["etp"]),
+        ):
             if hasattr(args, shards):
                 setattr(args, shards, size)
         for remat in ("gtp_weight_remat_size", "expert_gtp_weight_remat_size"):
@@ -185,7 +195,9 @@ class ArgsModelSpec:
             args.moe_layer_freq = [int(kind == MOE) for kind in self.kinds]
         args.seq_length = self.seq_length
         args.max_position_embeddings = max(args.max_position_embeddings or 0, self.seq_length)
-        args.use_cpu_initialization = True  # Megatron sets the TP attributes of CPU-built params only while initializing
+        args.use_cpu_initialization = (
+            True  # Megatron sets the TP attributes of CPU-built params only while initializing
+        )
         return args
 
     def config(self, topology: Any):
@@ -213,8 +225,12 @@ class ArgsModelSpec:
         if self.hybrid_pattern:
             model = build_hybrid_model(self, args, config, functools.partial(_local_layer_spec, args))
         else:
-            model = GPTModel(config=config, transformer_layer_spec=_layer_spec(config, args),
-                             rope_scaling=args.use_rope_scaling, **self.model_arguments(args))
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=_layer_spec(config, args),
+                rope_scaling=args.use_rope_scaling,
+                **self.model_arguments(args),
+            )
         load_logical_draw([model], seed, config.init_method_std)
         return [model]
 
@@ -261,7 +277,11 @@ def _local_layer_spec(args: argparse.Namespace, num_experts: Optional[int]):
     from megatron.core.models.gpt import gpt_layer_specs
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts, args.moe_grouped_gemm, args.qk_layernorm, args.multi_latent_attention, normalization=args.normalization
+        num_experts,
+        args.moe_grouped_gemm,
+        args.qk_layernorm,
+        args.multi_latent_attention,
+        normalization=args.normalization,
     )
     _local_cp_attention(args, [spec])
     return spec

@@ -46,7 +46,9 @@ def cp_chunk_positions(seq_length: int, cp_size: int, cp_rank: int) -> torch.Ten
         raise ValueError(f"sequence length {seq_length} is not divisible by 2*cp = {2 * cp_size}")
     chunk = seq_length // (2 * cp_size)
     first, second = cp_rank, 2 * cp_size - 1 - cp_rank
-    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk), torch.arange(second * chunk, (second + 1) * chunk)])
+    return torch.cat(
+        [torch.arange(first * chunk, (first + 1) * chunk), torch.arange(second * chunk, (second + 1) * chunk)]
+    )
 
 
 class ContextParallelDotProductAttention(DotProductAttention):

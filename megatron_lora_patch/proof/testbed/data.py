@@ -74,7 +74,9 @@ def read_corpus(path_prefix: str, count: int, vocab_size: int) -> torch.Tensor:
 
     missing = [path_prefix + suffix for suffix in (".bin", ".idx") if not os.path.isfile(path_prefix + suffix)]
     if missing:
-        raise ValueError(f"--data-path {path_prefix}: {' and '.join(missing)} not found (give the prefix, without .bin/.idx)")
+        raise ValueError(
+            f"--data-path {path_prefix}: {' and '.join(missing)} not found (give the prefix, without .bin/.idx)"
+        )
     dataset, pieces, total = IndexedDataset(path_prefix), [], 0
     for index in range(len(dataset)):
         if total >= count:
@@ -82,12 +84,16 @@ def read_corpus(path_prefix: str, count: int, vocab_size: int) -> torch.Tensor:
         pieces.append(torch.from_numpy(dataset[index].astype("int64")))
         total += len(pieces[-1])
     if total < count:
-        raise ValueError(f"--data-path {path_prefix}: holds {total} tokens, the preflight needs {count}; "
-                         "use fewer --steps / --micro-batches or a larger dataset")
+        raise ValueError(
+            f"--data-path {path_prefix}: holds {total} tokens, the preflight needs {count}; "
+            "use fewer --steps / --micro-batches or a larger dataset"
+        )
     tokens = torch.cat(pieces)[:count]
     if int(tokens.max()) >= vocab_size:
-        raise ValueError(f"--data-path {path_prefix}: token id {int(tokens.max())} is outside your vocabulary of "
-                         f"{vocab_size}; was it tokenized with the tokenizer of your arguments?")
+        raise ValueError(
+            f"--data-path {path_prefix}: token id {int(tokens.max())} is outside your vocabulary of "
+            f"{vocab_size}; was it tokenized with the tokenizer of your arguments?"
+        )
     return tokens
 
 
@@ -102,9 +108,7 @@ def num_microbatches_for(global_batch_size: int, micro_batch_size: int, dp_size:
     return global_batch_size // per_step
 
 
-def dp_rank_microbatches(
-    global_batch: Batch, dp_rank: int, dp_size: int, micro_batch_size: int
-) -> List[Batch]:
+def dp_rank_microbatches(global_batch: Batch, dp_rank: int, dp_size: int, micro_batch_size: int) -> List[Batch]:
     """The microbatches DP rank `dp_rank` consumes, in order (MegatronPretrainingSampler order)."""
     global_batch_size = next(iter(global_batch.values())).shape[0]
     count = num_microbatches_for(global_batch_size, micro_batch_size, dp_size)

@@ -25,4 +25,6 @@ def gather_reduced_grads(chunks: list) -> None:
                 # Megatron pads each bucket to a multiple of the group size and shards it evenly.
                 shards = list(bucket.grad_data.view(size, -1))
                 local = shards[rank].clone()
-                torch.distributed.all_gather(shards, local, group=bucket_group.intra_distributed_optimizer_instance_group)
+                torch.distributed.all_gather(
+                    shards, local, group=bucket_group.intra_distributed_optimizer_instance_group
+                )

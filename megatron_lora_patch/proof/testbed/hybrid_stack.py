@@ -38,11 +38,15 @@ def local_stack_spec(gpt_layer: Any, moe_layer: Optional[Any] = None, *, final_n
     no_mlp = dict(pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityFuncOp)
     no_attention = dict(input_layernorm=IdentityOp, self_attention=IdentityOp, self_attn_bda=IdentityFuncOp)
     layers = {
-        "attention_layer": dataclasses.replace(gpt_layer, submodules=dataclasses.replace(gpt_layer.submodules, **no_mlp)),
+        "attention_layer": dataclasses.replace(
+            gpt_layer, submodules=dataclasses.replace(gpt_layer.submodules, **no_mlp)
+        ),
         "mlp_layer": ModuleSpec(module=MLPLayer, submodules=dataclasses.replace(gpt_layer.submodules, **no_attention)),
     }
     if moe_layer is not None:
-        layers["moe_layer"] = dataclasses.replace(moe_layer, submodules=dataclasses.replace(moe_layer.submodules, **no_attention))
+        layers["moe_layer"] = dataclasses.replace(
+            moe_layer, submodules=dataclasses.replace(moe_layer.submodules, **no_attention)
+        )
     return ModuleSpec(module=stack, submodules=submodules_class(**layers), params={"post_layer_norm": final_norm})
 
 

@@ -193,7 +193,9 @@ def _collect(ranks: list[_Rank], *, timeout: float, name: str) -> list[Any]:
                 first_failure = first_failure if first_failure is not None else time.monotonic()
     if failures:
         unfinished = [r.rank for r in ranks if not r.done]
-        raise WorldError(_failure_message(name, failures, unfinished), name=name, failures=failures, unfinished=unfinished)
+        raise WorldError(
+            _failure_message(name, failures, unfinished), name=name, failures=failures, unfinished=unfinished
+        )
     log.debug("world %r finished in %.1fs", name, time.monotonic() - start)
     return [results[rank] for rank in range(len(ranks))]
 
@@ -238,7 +240,9 @@ def _failure_message(name: str, failures: dict[int, str], unfinished: list[int])
     return "\n".join(lines)
 
 
-def _raise_timeout(ranks: list[_Rank], results: dict[int, Any], failures: dict[int, str], *, timeout: float, name: str) -> None:
+def _raise_timeout(
+    ranks: list[_Rank], results: dict[int, Any], failures: dict[int, str], *, timeout: float, name: str
+) -> None:
     hung = [r for r in ranks if not r.done]
     stacks = _dump_stacks(hung)
     lines = [
@@ -250,9 +254,7 @@ def _raise_timeout(ranks: list[_Rank], results: dict[int, Any], failures: dict[i
         lines += [f"--- rank {rank} traceback ---", text.rstrip()]
     for entry, stack in zip(hung, stacks):
         lines += [f"--- rank {entry.rank} stack at timeout ---", stack.rstrip() or "(no Python stack was written)"]
-    raise WorldTimeout(
-        "\n".join(lines), name=name, failures=failures, unfinished=[r.rank for r in hung]
-    )
+    raise WorldTimeout("\n".join(lines), name=name, failures=failures, unfinished=[r.rank for r in hung])
 
 
 def _dump_stacks(hung: list[_Rank]) -> list[str]:

@@ -103,8 +103,11 @@ class TinyGPTSpec:
 
 def _sharded_dimensions(spec: TinyGPTSpec) -> dict[str, dict[str, int]]:
     """Parallel size -> the model dimensions Megatron splits by it (each must divide evenly)."""
-    tensor = {"num_attention_heads": spec.num_attention_heads, "num_query_groups": spec.num_query_groups,
-              "vocab_size": spec.vocab_size}
+    tensor = {
+        "num_attention_heads": spec.num_attention_heads,
+        "num_query_groups": spec.num_query_groups,
+        "vocab_size": spec.vocab_size,
+    }
     if not spec.is_moe:  # every layer of the MoE model is an MoE layer: no dense MLP to split
         tensor["ffn_hidden_size"] = spec.ffn_hidden_size
     return {"tp": tensor, "etp": {"moe_ffn_hidden_size": spec.expert_ffn_hidden_size} if spec.is_moe else {}}
@@ -210,7 +213,9 @@ def transformer_config(
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    sizes = {name: getattr(topology, name, 1) if topology is not None else 1 for name in ("tp", "pp", "cp", "ep", "etp")}
+    sizes = {
+        name: getattr(topology, name, 1) if topology is not None else 1 for name in ("tp", "pp", "cp", "ep", "etp")
+    }
     dtype = spec.torch_dtype
     options: dict[str, Any] = dict(
         num_layers=spec.num_layers,
@@ -223,10 +228,15 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=spec.init_std,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=spec.init_std,
         # the fused CUDA kernels off: the same math in plain torch ops, on CPU too
-        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        persist_layer_norm=False, gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
         tensor_model_parallel_size=sizes["tp"],
         pipeline_model_parallel_size=sizes["pp"],
         context_parallel_size=sizes["cp"],
@@ -238,7 +248,8 @@ def transformer_config(
         params_dtype=dtype,
         bf16=spec.dtype == "bfloat16",
         pipeline_dtype=dtype,
-        calculate_per_token_loss=calculate_per_token_loss, qk_layernorm=spec.qk_layernorm,
+        calculate_per_token_loss=calculate_per_token_loss,
+        qk_layernorm=spec.qk_layernorm,
     )
     if spec.is_moe:
         options.update(
@@ -303,9 +314,7 @@ def build_model(
     from megatron_lora_patch.proof.testbed import shards
 
     _check_parallel_state(topology)
-    config = transformer_config(
-        spec, topology, calculate_per_token_loss=calculate_per_token_loss, **config_overrides
-    )
+    config = transformer_config(spec, topology, calculate_per_token_loss=calculate_per_token_loss, **config_overrides)
     common = dict(
         config=config,
         vocab_size=spec.vocab_size,

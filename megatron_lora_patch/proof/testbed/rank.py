@@ -85,6 +85,7 @@ def rank_main(
     os.environ.update(env)  # before torch is imported (unpickling fn may import it)
     if warnings_action == "ignore":  # start-up notices also go through `logging` ("GPTModel IS DEPRECATED")
         import torch  # noqa: F401  (first: importing torch resets the "torch" logger's level, then Megatron
+
         quiet_logging()  # imports torch.utils.cpp_extension, whose "No CUDA runtime is found" this silences)
     stack_handle = open(stack_file, "w", encoding="utf-8")
     import faulthandler
@@ -157,7 +158,9 @@ def gloo_process_group(timeout_s: float | None = None) -> Iterator[None]:
         **({"timeout": timeout} if timeout is not None else {}),
     )
     store = dist.PrefixStore(f"gloo_process_group/{next(_group_round)}", store)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, **({"timeout": timeout} if timeout else {}))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, **({"timeout": timeout} if timeout else {})
+    )
     try:
         yield
     finally:

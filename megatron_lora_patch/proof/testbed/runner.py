@@ -55,8 +55,14 @@ def _import_training_modules() -> None:
     clock starts: otherwise the first job of each world is charged the world's imports (seconds)."""
     import importlib
 
-    for name in ("megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.distributed",
-                 "megatron.core.optimizer", "megatron.core.pipeline_parallel", "megatron.core.transformer.module"):
+    for name in (
+        "megatron.core.models.gpt",
+        "megatron.core.models.gpt.gpt_layer_specs",
+        "megatron.core.distributed",
+        "megatron.core.optimizer",
+        "megatron.core.pipeline_parallel",
+        "megatron.core.transformer.module",
+    ):
         importlib.import_module(name)
 
 
@@ -119,7 +125,9 @@ def run_topology(
     return run_jobs([Job(spec, topology, settings)], timeout=timeout)[0]
 
 
-def _assemble(records: List[dict], phase: str, step: Optional[int], shapes: Dict[str, tuple]) -> Dict[str, torch.Tensor]:
+def _assemble(
+    records: List[dict], phase: str, step: Optional[int], shapes: Dict[str, tuple]
+) -> Dict[str, torch.Tensor]:
     """Logical tensors of one captured phase ('grads', 'params', 'initial_params') from every rank."""
     from megatron_lora_patch.proof.testbed.shards import assemble_logical
 

@@ -68,12 +68,12 @@ def shard_of(chunk: torch.nn.Module, local_name: str, parameter: torch.Tensor) -
     if layer_match:
         local_layer = int(layer_match.group(1))
         global_layer = chunk.decoder.layers[local_layer].layer_number - 1  # layer_number is global, 1-based
-        name = f"decoder.layers.{global_layer}." + name[layer_match.end():]
+        name = f"decoder.layers.{global_layer}." + name[layer_match.end() :]
         expert_match = _EXPERT.search(name)
         if expert_match:
             moe_layer = chunk.decoder.layers[local_layer].mlp
             global_expert = moe_layer.local_expert_indices[int(expert_match.group(1))]
-            name = name[: expert_match.start()] + f".local_experts.{global_expert}." + name[expert_match.end():]
+            name = name[: expert_match.start()] + f".local_experts.{global_expert}." + name[expert_match.end() :]
     if name == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False):
         name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
     if not getattr(parameter, "tensor_model_parallel", False):
@@ -115,7 +115,9 @@ def load_logical(chunks: Iterable[torch.nn.Module], state_dict: dict[str, torch.
                 continue
             value = shard.take(state_dict[shard.logical_name])
             if value.shape != parameter.shape:
-                raise ValueError(f"{local_name}: logical slice {tuple(value.shape)} != parameter {tuple(parameter.shape)}")
+                raise ValueError(
+                    f"{local_name}: logical slice {tuple(value.shape)} != parameter {tuple(parameter.shape)}"
+                )
             parameter.copy_(value)
     return uncovered
 

@@ -66,9 +66,7 @@ class Topology:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TopologyError(f"{name} must be a positive integer, got {value!r}")
         if self.sp and self.tp < 2:
-            raise TopologyError(
-                f"sp (sequence parallel) needs tp > 1, got tp{self.tp}; use e.g. 'tp2-sp' or drop 'sp'"
-            )
+            raise TopologyError(f"sp (sequence parallel) needs tp > 1, got tp{self.tp}; use e.g. 'tp2-sp' or drop 'sp'")
         dense_ranks = self.tp * self.cp
         expert_ranks = self.ep * self.etp
         minimal_dp = math.lcm(dense_ranks, expert_ranks) // dense_ranks
@@ -86,6 +84,7 @@ class Topology:
         """Parse a spec string such as ``"tp2-ep2-etp2-sp"``; raise :class:`TopologyError` if invalid."""
         if not isinstance(spec, str):
             raise TypeError(f"topology spec must be a string, got {type(spec).__name__}")
+
         def fail(reason: str) -> TopologyError:
             return TopologyError(reason, subject=f"invalid topology spec {spec!r}")
 
@@ -164,7 +163,9 @@ class Topology:
                 "drop ep/etp or use a MoE model"
             )
         if num_experts and num_experts % self.ep:
-            problems.append(f"num_experts={num_experts} is not divisible by ep{self.ep}; use an ep dividing {num_experts}")
+            problems.append(
+                f"num_experts={num_experts} is not divisible by ep{self.ep}; use an ep dividing {num_experts}"
+            )
         if self.ep == 1 and self.etp not in (1, self.tp):
             # Megatron marks expert weights allreduce=True when ep is 1, so DDP syncs them over
             # dense DP: with etp != tp that mixes different expert shards (broadcast and grads).
@@ -177,7 +178,9 @@ class Topology:
         if num_layers is not None and num_layers % self.pp:
             problems.append(f"num_layers={num_layers} is not divisible by pp{self.pp}; use a pp dividing {num_layers}")
         if seq_length is not None and self.cp > 1 and seq_length % (2 * self.cp):
-            problems.append(f"seq_length={seq_length} is not divisible by 2*cp = {2 * self.cp} (load-balanced CP chunks)")
+            problems.append(
+                f"seq_length={seq_length} is not divisible by 2*cp = {2 * self.cp} (load-balanced CP chunks)"
+            )
         if seq_length is not None and self.sp and seq_length % self.tp:
             problems.append(f"seq_length={seq_length} is not divisible by tp{self.tp} (sequence parallel splits it)")
         if problems:
@@ -200,7 +203,9 @@ class Topology:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            raise RuntimeError(f"Topology({self}).initialize(): torch.distributed is not initialized; use Topology.world()")
+            raise RuntimeError(
+                f"Topology({self}).initialize(): torch.distributed is not initialized; use Topology.world()"
+            )
         if dist.get_world_size() != self.world_size:
             raise RuntimeError(
                 f"topology {str(self)!r} needs {self.world_size} ranks but the world has {dist.get_world_size()}; "

@@ -33,7 +33,18 @@ def create(root: pathlib.Path, project: Optional[pathlib.Path]) -> pathlib.Path:
     if project is not None:
         wheel_dir = root / "wheel"
         subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir), str(project)],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--no-deps",
+                "--no-build-isolation",
+                "-q",
+                "-w",
+                str(wheel_dir),
+                str(project),
+            ],
             check=True,
             capture_output=True,
         )
@@ -42,8 +53,11 @@ def create(root: pathlib.Path, project: Optional[pathlib.Path]) -> pathlib.Path:
             archive.extractall(site_packages)
             packages = sorted({name.split("/")[0] for name in archive.namelist() if name.endswith(".py")})
         # Compile the bytecode as `pip install` does, so a first import measures loading, not compiling.
-        subprocess.run([str(python), "-m", "compileall", "-q", *(str(site_packages / p) for p in packages)],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [str(python), "-m", "compileall", "-q", *(str(site_packages / p) for p in packages)],
+            check=True,
+            capture_output=True,
+        )
     # Every site directory of this interpreter, including those a `.pth` line added (an overlay
     # environment's base): a path line in a `.pth` file does not process that directory's own `.pth`s.
     dependencies = [sysconfig.get_paths()["purelib"]] + [p for p in sys.path if p.endswith("site-packages")]
