@@ -290,7 +290,8 @@ def main() -> None:
     spec, flops, median = timing["spec"], timing["flops"], timing["median_s"]
     print(
         f"\nStep time, world size 1, CPU fp32, 1 thread: GPT hidden {spec.hidden_size}, ffn {spec.ffn_hidden_size}, "
-        f"{spec.num_layers} layers, heads {spec.num_attention_heads} / groups {spec.num_query_groups}, seq {spec.seq_length}, "
+        f"{spec.num_layers} layers, heads {spec.num_attention_heads} / groups {spec.num_query_groups}, "
+        f"seq {spec.seq_length}, "
         f"batch 1; LoRA rank 16 on qkv, proj, fc1, fc2; medians of {options.steps} alternating steps"
     )
     for name in ("frozen", "lora"):

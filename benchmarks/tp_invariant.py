@@ -11,7 +11,8 @@ alone (forward pre/post hooks on the model), after
 `--warmup` untimed steps; medians over the timed steps of rank 0, and the spread of the
 per-run step-time and forward-time ratios, are reported.
 
-Memory (one world per mode: the peak is per process): the growth of the process's peak resident set size (`resource.getrusage` ru_maxrss)
+Memory (one world per mode: the peak is per process): the growth of the process's peak resident set size
+(`resource.getrusage` ru_maxrss)
 over the resident size right after the model is built, max over ranks. tracemalloc is not used
 because torch's CPU allocator bypasses Python's allocator (it would see none of the tensors).
 RSS growth counts activations, gathered weights and temporaries, plus allocator slack. The

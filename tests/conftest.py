@@ -76,7 +76,8 @@ def assert_one_line_error(result: subprocess.CompletedProcess, message: str, ret
 
 def run_fresh(args: list[str], **env: str) -> subprocess.CompletedProcess:
     """Run `sys.executable -P <args>` (this environment, its installed wheel and .pth hook) with
-    only `env` as runtime flags; `args` is e.g. ['-c', 'import megatron.core'] or ['-m', 'megatron_lora_patch', 'status']."""
+    only `env` as runtime flags; `args` is e.g. ['-c', 'import megatron.core'] or ['-m', 'megatron_lora_patch',
+    'status']."""
     return subprocess.run(
         [sys.executable, "-P", *args],
         env=clean_environ(**env),

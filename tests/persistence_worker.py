@@ -215,7 +215,8 @@ def export_and_merge_world(rank: int, world: int, topology: str, spec, seed: int
 def import_and_save_world(
     rank: int, world: int, topology: str, spec, peft_dir: str, directory: str, options=None
 ) -> List[dict]:
-    """Import a PEFT adapter into fresh adapters (another seed; `options` as when exported) and write an adapter-only checkpoint."""
+    """Import a PEFT adapter into fresh adapters (another seed; `options` as when exported) and write an adapter-only
+    checkpoint."""
     from megatron_lora_patch.lora.checkpoints.checkpoint import save_adapters
     from megatron_lora_patch.lora.exchange.transfer import import_peft
     from megatron_lora_patch.proof.testbed.models import build_model

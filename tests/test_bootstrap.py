@@ -197,7 +197,10 @@ def test_status_table_and_module_entry_point(installed_python):
         MEGATRON_PLUGINS="demo",
     )
     assert result.returncode == 2 and "the following arguments are required: command" in result.stderr
-    code = "import sys; sys.argv = ['megatron-lora-patch', 'status']; import runpy; runpy.run_module('megatron_lora_patch', run_name='__main__')"
+    code = (
+        "import sys; sys.argv = ['megatron-lora-patch', 'status']; "
+        "import runpy; runpy.run_module('megatron_lora_patch', run_name='__main__')"
+    )
     result = run_python(installed_python, code, MEGATRON_PLUGINS="demo")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -225,7 +228,8 @@ def test_status_when_plugins_unset(installed_python):
     result = run_python(installed_python, code)
     assert result.returncode == 0
     assert result.stdout.startswith(
-        "MEGATRON_PLUGINS is unset: no plugin is active and nothing is patched. Installed plugins: canary, cpu_testbed, demo, lora_correct."
+        "MEGATRON_PLUGINS is unset: no plugin is active and nothing is patched. "
+        "Installed plugins: canary, cpu_testbed, demo, lora_correct."
     )
 
 

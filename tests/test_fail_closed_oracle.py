@@ -57,7 +57,8 @@ BAD_INPUTS = {
     ),
     "plot-missing-dir": (
         ["--plot", "/nonexistent-dir/heat.png"],
-        "--plot /nonexistent-dir/heat.png: /nonexistent-dir does not exist; create the directory or choose another path",
+        "--plot /nonexistent-dir/heat.png: /nonexistent-dir does not exist; "
+        "create the directory or choose another path",
     ),
     "topology-tp3": (["--topologies", "tp3"], TP3),
     "topology-tp8-query-groups": (
@@ -80,7 +81,8 @@ BAD_INPUTS = {
     "topology-typo": (
         ["--topologies", "tp2-sq"],
         "invalid topology spec 'tp2-sq': unknown part 'sq'; expected dash-separated parts "
-        "(tpN, ppN, cpN, dpN, epN, etpN, sp), e.g. 'tp2-sp', 'dp2', 'pp2', 'ep2', 'tp2-ep2-etp2-sp', 'tp2-dp2', 'cp2', 'tp1'",
+        "(tpN, ppN, cpN, dpN, epN, etpN, sp), "
+        "e.g. 'tp2-sp', 'dp2', 'pp2', 'ep2', 'tp2-ep2-etp2-sp', 'tp2-dp2', 'cp2', 'tp1'",
     ),
     "topology-twice": (["--topologies", "tp2,dp2,tp2"], "--topologies lists 'tp2' twice; give each once"),
     "topology-world-1": (

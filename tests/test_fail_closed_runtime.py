@@ -202,7 +202,10 @@ def test_broken_requested_plugin_stops_import():
 
 
 def test_empty_means_unset_and_the_patches_apply():
-    code = "import megatron.core.tensor_parallel.layers as layers, wrapt; print(isinstance(layers.linear_with_frozen_weight, wrapt.FunctionWrapper))"
+    code = (
+        "import megatron.core.tensor_parallel.layers as layers, wrapt; "
+        "print(isinstance(layers.linear_with_frozen_weight, wrapt.FunctionWrapper))"
+    )
     empty = dict.fromkeys(
         (
             "MEGATRON_LORA_STRICT",

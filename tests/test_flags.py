@@ -140,7 +140,8 @@ def test_revert_of_unknown_patch(demo_plugins):
     [
         (
             lambda: versions.parse_range("0.13+", "lora_linear"),
-            "patch 'lora_linear' declares tested range '0.13+', which is not a PEP 440 specifier (example: '>=0.13,<0.17')",
+            "patch 'lora_linear' declares tested range '0.13+', "
+            "which is not a PEP 440 specifier (example: '>=0.13,<0.17')",
         ),
         (
             lambda: versions.parse_version("main-branch", "megatron-core"),

@@ -102,7 +102,8 @@ ADAPTED = (
 BUILD_ERRORS = {
     "rank_pattern_typo": (
         {"MEGATRON_LORA_RANK_PATTERN": "linear_fc3=2"},
-        f"MEGATRON_LORA_RANK_PATTERN entry 'linear_fc3' matches no adapted layer of the model (did you mean 'linear_fc2'?); {ADAPTED}",
+        "MEGATRON_LORA_RANK_PATTERN entry 'linear_fc3' matches no adapted layer of the model "
+        f"(did you mean 'linear_fc2'?); {ADAPTED}",
     ),
     "alpha_pattern_not_targeted": (
         {"MEGATRON_LORA_TARGETS": "linear_qkv", "MEGATRON_LORA_ALPHA_PATTERN": "linear_fc1=2"},

@@ -1,7 +1,8 @@
 """Megatron-Core 0.17-0.19 API changes on the plugin's own code paths (issue 14, breakages 1-9).
 
 One world-size-1 run (tests/megatron_compat_worker.py) per module, with every default patch
-plus layout_invariant (formerly tp_invariant) applied strictly, so a patch that fails on the installed Megatron fails here:
+plus layout_invariant (formerly tp_invariant) applied strictly, so a patch that fails on the installed Megatron fails
+here:
 - full activation recompute gives the first layer's adapters a gradient (0.18 moved the
   checkpointed forward to `megatron.core.recompute.checkpointed_forward`);
 - the testbed's CP split (`get_batch_on_this_cp_rank`, 0.18 added `is_hybrid_cp`);

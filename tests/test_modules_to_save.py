@@ -1,7 +1,8 @@
 """Modules trained fully (PEFT's `modules_to_save`, issue 19): parsing from the environment and the config
 file, one-line refusals (a module that cannot train fully, a module both adapted and trained fully, a PEFT
 adapter whose modules_to_save differs from the model's or, tied, is not weight-tied), and which weights a
-built model trains (tied embeddings: the one shared weight). The oracle proof is test_oracle_modules_to_save, the PEFT round trip test_persistence_peft_modules.
+built model trains (tied embeddings: the one shared weight). The oracle proof is test_oracle_modules_to_save, the PEFT
+round trip test_persistence_peft_modules.
 """
 
 from __future__ import annotations

@@ -278,11 +278,17 @@ def test_applied_before_megatron_is_imported():
     code = textwrap.dedent(f"""
         import types, megatron_lora_patch
         from megatron_lora_patch.plugins import lora_correct
-        megatron_lora_patch.apply(["lora_correct"], enable={{name: name == "null_tokenizer" for name in lora_correct.PATCH_NAMES}})
+        megatron_lora_patch.apply(
+            ["lora_correct"], enable={{name: name == "null_tokenizer" for name in lora_correct.PATCH_NAMES}}
+        )
         from {BUILD_TOKENIZER_MODULE} import build_tokenizer
-        tokenizer = build_tokenizer(types.SimpleNamespace(tokenizer_type="NullTokenizer", vocab_size={N}, padded_vocab_size=128))
+        tokenizer = build_tokenizer(
+            types.SimpleNamespace(tokenizer_type="NullTokenizer", vocab_size={N}, padded_vocab_size=128)
+        )
         row = next(r for r in megatron_lora_patch.status() if r.patch == "null_tokenizer")
-        print(tokenizer.vocab_size, tokenizer.eod, tokenizer.unique_identifiers["eod_id"], row.state, row.detail, sep="|")
+        print(
+            tokenizer.vocab_size, tokenizer.eod, tokenizer.unique_identifiers["eod_id"], row.state, row.detail, sep="|"
+        )
     """)
     result = run_python(sys.executable, code, plugins=False, args=("-W", "ignore"))
     assert result.returncode == 0, result.stderr

@@ -9,8 +9,8 @@ beside its adapters writes an adapter-only checkpoint; the `export` CLI writes P
 `peft` loads it into a `LlamaForCausalLM` holding the untrained base weights, wraps both modules as
 modules_to_save, and its logits equal Megatron's
 (fp32, 1e-5 of the largest logit; measured 7.3e-7). Negative control: the same adapter without the two
-weights is far off (measured 0.97). Import on PP2 (other shards than TP2), save adapter-only, reload into a third model: the weights
-are exact, and the export again is byte-identical.
+weights is far off (measured 0.97). Import on PP2 (other shards than TP2), save adapter-only, reload into a third model:
+the weights are exact, and the export again is byte-identical.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 An MoE model (4 SequentialMLP experts, top-2, GQA attention) trains its adapters (3 Adam steps
 from a non-zero init, distinct per expert) and writes an adapter-only checkpoint at EP2
-(Qwen3-MoE: q / k layernorm) or TP2 + ETP2 with SP (Mixtral); the `export` CLI turns it into a PEFT adapter whose experts use `target_parameters`
+(Qwen3-MoE: q / k layernorm) or TP2 + ETP2 with SP (Mixtral); the `export` CLI turns it into a PEFT adapter whose
+experts use `target_parameters`
 (lora/exchange/experts.py); `peft` loads it into a `Qwen3MoeForCausalLM` / `MixtralForCausalLM`
 holding the same base weights (transformers' 3D expert parameters), and its logits must equal
 the Megatron forward (fp32). Negative controls: the
@@ -50,7 +51,8 @@ def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module", params=list(CASES))
 def exported(request, tmp_path_factory):
-    """A run at the case's topology: Megatron logits with adapters, its adapter-only checkpoint, the CLI's PEFT export."""
+    """A run at the case's topology: Megatron logits with adapters, its adapter-only checkpoint, the CLI's PEFT
+    export."""
     topology, family, spec, other = CASES[request.param]
     root = tmp_path_factory.mktemp(f"peft-moe-{request.param}")
     checkpoint, peft_dir = str(root / "checkpoint"), str(root / "peft")
@@ -99,7 +101,8 @@ def test_peft_loads_expert_export_and_matches_megatron_logits(exported):
 
 
 def _swap_experts(tensor: torch.Tensor, factor: str, first: int, second: int) -> torch.Tensor:
-    """The packed PEFT factor with experts `first` and `second` exchanged (A: expert-major rows, B: expert-minor columns)."""
+    """The packed PEFT factor with experts `first` and `second` exchanged (A: expert-major rows, B: expert-minor
+    columns)."""
     num = SPEC.num_experts
     per_expert = (
         tensor.reshape(num, -1, tensor.shape[-1]) if factor == "A" else tensor.reshape(tensor.shape[0], -1, num)

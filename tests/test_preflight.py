@@ -95,7 +95,8 @@ def test_moe_tp2_etp2_sp_passes_and_a_skipped_expert_sum_names_the_moe_layer(use
             DENSE,
             {},
             "your arguments run on one rank, so there is nothing to compare with world size 1; pass your "
-            "parallel sizes (--tensor-model-parallel-size, --pipeline-model-parallel-size, ...) or --data-parallel-size N before --",
+            "parallel sizes (--tensor-model-parallel-size, --pipeline-model-parallel-size, ...) "
+            "or --data-parallel-size N before --",
         ),
         (
             [*DENSE, *TP2_SP, "--num-layers", "x"],
@@ -125,7 +126,8 @@ def test_moe_tp2_etp2_sp_passes_and_a_skipped_expert_sum_names_the_moe_layer(use
         (
             [*DENSE, *TP2_SP, "--fp16"],
             {},
-            "preflight does not support fp16 loss scaling (compare in --bf16 or fp32) yet: drop --fp16 for the preflight",
+            "preflight does not support fp16 loss scaling (compare in --bf16 or fp32) yet: "
+            "drop --fp16 for the preflight",
         ),
         ([], {}, "preflight needs your pretrain_gpt.py arguments after --, e.g. preflight -- --num-layers 32 ..."),
         (

@@ -100,8 +100,9 @@ def test_mamba_layers_are_one_line_exit_2_naming_the_pattern_to_check_instead(tm
         (
             "G*G-",
             "preflight cannot build the gated delta net (G) layers of --hybrid-layer-pattern 'G*G-': its ranks run "
-            "on CPU, where their mixers' kernels (fla) do not run, and LoRA does not adapt mixer linears (it refuses them "
-            "as targets); check the attention / MLP / MoE layers it adapts with --hybrid-layer-pattern '*-' (yours without G)",
+            "on CPU, where their mixers' kernels (fla) do not run, and LoRA does not adapt mixer linears "
+            "(it refuses them as targets); check the attention / MLP / MoE layers it adapts with "
+            "--hybrid-layer-pattern '*-' (yours without G)",
         ),
         (
             "*-*-/*-",

@@ -117,7 +117,10 @@ def format_table(rows: Sequence["object"], fresh: Sequence[str], hook: dict) -> 
     where = (
         f"installed at {hook['path']}"
         if hook["installed"]
-        else "NOT installed in any site directory on sys.path, so a training process gets no patch; reinstall the package"
+        else (
+            "NOT installed in any site directory on sys.path, so a training process gets no patch; "
+            "reinstall the package"
+        )
     )
     ran = "ran in this process" if hook["ran_here"] else "did not run in this process"
     lines.append(f"start-up hook: {where} ({ran})")

@@ -3,14 +3,14 @@
 The logical (world-size-1) adapters are the source and target of both directions:
 export reads them from an adapter-only distributed checkpoint (`checkpoint.save_adapters`;
 Megatron's `dist_checkpointing` gathers the TP / EP / PP shards), import slices them
-onto this rank's adapters (any topology). Conversion, per transformer layer i:
+onto this rank's adapters (any topology). Conversion, per transformer layer i
+(Megatron module -> PEFT modules (Llama names): how):
 
-| Megatron module            | PEFT modules (Llama names)                  | how                           |
-|----------------------------|---------------------------------------------|-------------------------------|
-| self_attention.linear_qkv  | self_attn.q_proj, k_proj, v_proj            | B split from the mixed per-query-group rows (GQA); the one A copied to all three |
-| self_attention.linear_proj | self_attn.o_proj                            | as is                         |
-| mlp.linear_fc1 (SwiGLU)    | mlp.gate_proj, up_proj                      | B rows [gate; up] split; A copied |
-| mlp.linear_fc2             | mlp.down_proj                               | as is                         |
+- self_attention.linear_qkv -> self_attn.q_proj, k_proj, v_proj: B split from the mixed per-query-group rows (GQA);
+  the one A copied to all three
+- self_attention.linear_proj -> self_attn.o_proj: as is
+- mlp.linear_fc1 (SwiGLU) -> mlp.gate_proj, up_proj: B rows [gate; up] split; A copied
+- mlp.linear_fc2 -> mlp.down_proj: as is
 
 With `separate_projections` each projection gets its own A rows and B block (lora/adapters/projections.py).
 PEFT's scaling `lora_alpha / r` (`lora_alpha / sqrt(r)` with `use_rslora`) is the adapter's

@@ -81,7 +81,8 @@ def export_peft(
     overwrite: bool = False,
     names: ArgumentNames = ArgumentNames(),
 ) -> Dict[str, torch.Tensor]:
-    """Write the PEFT adapter of a checkpoint with adapters (see `checkpoint_source`) to `out_dir`; returns the PEFT tensors.
+    """Write the PEFT adapter of a checkpoint with adapters (see `checkpoint_source`) to `out_dir`; returns the PEFT
+    tensors.
 
     Every argument is checked before the checkpoint is loaded, `family` against the model the
     checkpoint records (None: inferred; lora/exchange/families.py); a non-empty `out_dir` is

@@ -60,7 +60,8 @@ def compare(candidate: dict, reference: dict, settings) -> Dict[str, PhaseMetric
     for phase, expected in reference.items():
         if set(candidate[phase]) != set(expected):
             raise ValueError(
-                f"{phase}: tensor sets differ from the reference: missing {sorted(set(expected) - set(candidate[phase]))}, "
+                f"{phase}: tensor sets differ from the reference: "
+                f"missing {sorted(set(expected) - set(candidate[phase]))}, "
                 f"extra {sorted(set(candidate[phase]) - set(expected))}"
             )
         by_step: Dict[int, list] = {}

@@ -95,7 +95,8 @@ class Plan:
         lines = [
             f"preflight: {str(self.topology)} ({self.topology.world_size} ranks, CPU + gloo) against 1 rank, "
             f"{self.steps} steps, {spec.dtype}, ~{self.parameters / 1e6:.1f}M parameters at world size 1",
-            f"  layers: {spec.num_layers} of your {spec.args.num_layers} (every layer kind once: {kinds}); widths unchanged",
+            f"  layers: {spec.num_layers} of your {spec.args.num_layers} "
+            f"(every layer kind once: {kinds}); widths unchanged",
         ]
         if spec.hybrid_pattern:
             lines.append(f"  hybrid layer pattern: {spec.hybrid_pattern!r} of your {spec.args.hybrid_layer_pattern!r}")

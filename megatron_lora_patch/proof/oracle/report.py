@@ -106,7 +106,10 @@ class OracleReport:
 
     def verdict(self) -> str:
         if self.reference_error is not None:
-            return f"FAIL: {self.reference_error.splitlines()[0].rstrip(':')}, so nothing was compared ({self.wall_s:.0f} s)"
+            return (
+                f"FAIL: {self.reference_error.splitlines()[0].rstrip(':')}, "
+                f"so nothing was compared ({self.wall_s:.0f} s)"
+            )
         failed = [t.topology for t in self.topologies if not t.passed]
         missed = [m.name for m in self.mutations if m.outcome == "not caught"]
         errored = [m.name for m in self.mutations if m.errored]

@@ -1,1 +1,2 @@
-"""Testing helpers: CPU/gloo world launcher (launcher), topology value type and Megatron setup (topology), tiny models, training driver."""
+"""Testing helpers: CPU/gloo world launcher (launcher), topology value type and Megatron setup (topology), tiny models,
+training driver."""

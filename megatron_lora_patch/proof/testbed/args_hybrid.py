@@ -1,5 +1,6 @@
 """The user's hybrid model (`--hybrid-layer-pattern`) for the preflight: its layer kinds, the pattern
-kept after the depth cut, and the `HybridModel` built from it (docs/architecture.md section 8, the proof; section 9, Megatron-Core on CPU).
+kept after the depth cut, and the `HybridModel` built from it (docs/architecture.md section 8, the proof; section 9,
+Megatron-Core on CPU).
 
 Megatron-LM's `validate_args` parses the pattern (`|` pipeline stage boundaries, `/` MTP depths)
 and sets `--num-layers` from it; here each layer of the main pattern becomes a kind (`*`

@@ -79,7 +79,8 @@ def scaled_kinds(kinds: Sequence[str], pp: int, layers: Optional[int] = None) ->
         layers = math.ceil(len(distinct) / pp) * pp
     if layers < len(distinct):
         raise UsageError(
-            f"--layers {layers} cannot hold every layer kind ({', '.join(distinct)}); use --layers {len(distinct)} or more"
+            f"--layers {layers} cannot hold every layer kind ({', '.join(distinct)}); "
+            f"use --layers {len(distinct)} or more"
         )
     if layers % pp:
         raise UsageError(f"--layers {layers} is not divisible by the pipeline size {pp}; use a multiple of {pp}")
@@ -218,7 +219,8 @@ class ArgsModelSpec:
         """Nothing left to check: Megatron-LM's own `validate_args` accepted the user's topology."""
 
     def build_model(self, topology: Any, seed: int) -> list:
-        """This rank's GPTModel or HybridModel (one chunk) with the logical base weights loaded. Needs parallel_state."""
+        """This rank's GPTModel or HybridModel (one chunk) with the logical base weights loaded. Needs
+        parallel_state."""
         from megatron.core.models.gpt import GPTModel
 
         args, config = self.run_args(topology), self.config(topology)

@@ -248,7 +248,8 @@ def _raise_timeout(
     lines = [
         f"world {name!r} timed out after {timeout:g}s: {_ranks_text([r.rank for r in hung])} did not finish "
         f"({len(results)} of {len(ranks)} returned); all ranks were killed. "
-        "Raise timeout= if the work is just slow; otherwise a rank is stuck (often a collective another rank never joined)."
+        "Raise timeout= if the work is just slow; "
+        "otherwise a rank is stuck (often a collective another rank never joined)."
     ]
     for rank, text in sorted(failures.items()):
         lines += [f"--- rank {rank} traceback ---", text.rstrip()]

@@ -55,7 +55,8 @@ class TinyGPTSpec:
             set(self.hybrid_pattern) - set("*-") or len(self.hybrid_pattern) != self.num_layers or self.num_experts
         ):
             raise ValueError(
-                f"hybrid_pattern must hold one '*' (attention) or '-' (MLP) per layer and no experts, got {self.hybrid_pattern!r}"
+                "hybrid_pattern must hold one '*' (attention) or '-' (MLP) per layer and no experts, "
+                f"got {self.hybrid_pattern!r}"
             )
         if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_query_groups:
             raise ValueError("hidden_size must divide by num_attention_heads, and heads by num_query_groups")

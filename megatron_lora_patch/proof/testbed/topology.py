@@ -228,7 +228,8 @@ class Topology:
 
     @staticmethod
     def teardown() -> None:
-        """Destroy Megatron's model-parallel state: its groups, buffers and RNG tracker states (safe if never initialized)."""
+        """Destroy Megatron's model-parallel state: its groups, buffers and RNG tracker states (safe if never
+        initialized)."""
         from megatron.core import parallel_state, tensor_parallel
 
         parallel_state.destroy_model_parallel()

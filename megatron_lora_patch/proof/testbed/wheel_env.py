@@ -2,8 +2,8 @@
 
 It stands on the current environment's packages (torch, megatron-core, ...) through a plain
 path line, which does not run that environment's own `.pth` files, so what runs at start-up
-is exactly what `pip install megatron-lora-patch` would leave (bytecode compiled, as pip does). Used by the bootstrap tests and
-the start-up benchmark.
+is exactly what `pip install megatron-lora-patch` would leave (bytecode compiled, as pip does). Used by the bootstrap
+tests and the start-up benchmark.
 """
 
 from __future__ import annotations
