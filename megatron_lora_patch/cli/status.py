@@ -113,7 +113,8 @@ def format_table(rows: Sequence["object"], fresh: Sequence[str], hook: dict) -> 
     for index, row in enumerate(cells):
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
         if index:
-            lines += [f"    target {target}" for target in rows[index - 1].target.split(", ")]  # type: ignore[attr-defined]
+            targets = rows[index - 1].target.split(", ")  # type: ignore[attr-defined]
+            lines += [f"    target {target}" for target in targets]
     where = (
         f"installed at {hook['path']}"
         if hook["installed"]
