@@ -59,8 +59,8 @@ def test_megatron_defaults_are_refused_naming_every_mismatch(saved, family):
     assert_one_line_error(done, (
         "--family llama cannot represent the checkpoint's model: learned_absolute position embeddings (llama: rope), "
         "LayerNorm (llama: RMSNorm), a non-gated MLP (llama: gated, e.g. --swiglu); no family (llama, mistral, qwen2, "
-        "qwen3, qwen3_moe, mixtral) can hold it: export needs a Llama-style model (rope, RMSNorm, gated MLP), or merge "
-        "the adapter into the Megatron weights instead"), returncode=2)
+        "qwen3, qwen3_moe, mixtral, qwen2_moe) can hold it: export needs a Llama-style model (rope, RMSNorm, gated "
+        "MLP), or merge the adapter into the Megatron weights instead"), returncode=2)
     assert not (root / "peft").exists() and done.stdout == ""
 
 
