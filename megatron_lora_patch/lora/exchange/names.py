@@ -47,8 +47,8 @@ NAME_TABLE: Dict[str, HfNames] = {
     "qwen2": HfNames(),
     "qwen3": HfNames(),
     "qwen3_moe": HfNames(),  # experts: experts.EXPERT_TABLE
-    "qwen2_moe": HfNames(shared_experts="mlp.shared_expert"),  # shared experts: docs/handoff.md section 2
     "mixtral": HfNames(),
+    "qwen2_moe": HfNames(shared_experts="mlp.shared_expert"),  # shared experts: docs/handoff.md section 2
 }
 
 def names_for(family: str, label: str = "model family") -> HfNames:
