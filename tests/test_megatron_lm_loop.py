@@ -78,6 +78,9 @@ TOPOLOGIES = {  # name -> (extra arguments, ranks, data-parallel size)
 LORA_ENV = {
     "MEGATRON_PLUGINS": "lora_correct,cpu_testbed",  # cpu_testbed: its cpu_compat patch, Megatron on CPU
     "MEGATRON_LORA_RANK": str(LORA_RANK),
+    # Full checkpoints (base included), so the tests below read the base back from every fine-tune;
+    # adapter-sized checkpoints, the default, are tests/test_adapter_checkpoints.py's.
+    "MEGATRON_LORA_FULL_CHECKPOINTS": "1",
 }
 TESTBED_ENV = {"PYTHONPATH": str(TESTBED)}
 BASE_INFO = "holds no adapters (a base checkpoint): the base weights load as saved"
