@@ -286,18 +286,27 @@ def test_pretrained_checkpoint_at_log_all_strictness_equals_load_finetune(loop):
     assert _output(runs["pretrained"]).count(BASE_INFO) == 1
 
 
-def test_adapters_of_another_rank_stop_the_load_with_one_line(loop):
+def one_rank(args: list, env: dict, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    """The launch script as one plain process (no torchrun), with the world variables torchrun sets."""
     import socket
 
-    root, _ = loop
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    done = _run(
-        [sys.executable, str(SCRIPT), "--load", str(root / "tp1"), "--finetune"],
-        {**LORA_ENV, **world, "MEGATRON_LORA_RANK": "8"}, root,
-    )
+    return _run([sys.executable, str(SCRIPT), *args], {**env, **world}, cwd)
+
+
+def assert_stops_before_training(done: subprocess.CompletedProcess, message: str) -> None:
+    """The process stopped before any step with this one message (torch.distributed prefixes "[rank0]: ")."""
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert sum(line.endswith(message) for line in done.stderr.splitlines()) == 1, done.stderr[-3000:]
+    assert "iteration        1/" not in done.stdout
+
+
+def test_adapters_of_another_rank_stop_the_load_with_one_line(loop):
+    root, _ = loop
+    done = one_rank(["--load", str(root / "tp1"), "--finetune"], {**LORA_ENV, "MEGATRON_LORA_RANK": "8"}, root)
     mine = "rank 8 on linear_fc1, linear_fc2, linear_proj, linear_qkv"
     theirs = "rank 4 on linear_fc1, linear_fc2, linear_proj, linear_qkv"
     message = (
@@ -305,34 +314,36 @@ def test_adapters_of_another_rank_stop_the_load_with_one_line(loop):
         "set MEGATRON_LORA_RANK and MEGATRON_LORA_TARGETS as when it was saved, "
         "or fine-tune from a base checkpoint without adapters"
     )
-    # The process stops before any step with this one message (torch.distributed prefixes "[rank0]: ").
-    assert done.returncode == 1, done.stderr[-3000:]
-    assert sum(line.endswith(message) for line in done.stderr.splitlines()) == 1, done.stderr[-3000:]
-    assert "iteration        1/" not in done.stdout
+    assert_stops_before_training(done, message)
 
 
-def test_export_of_the_final_checkpoint_loads_in_peft_and_matches_megatron(loop):
+def export_matches_megatron(root: pathlib.Path, checkpoint: pathlib.Path, base: pathlib.Path) -> None:
+    """`megatron-lora-patch export` of `checkpoint` (a --save directory) loads in peft onto the base
+    weights of `base` and gives Megatron's logits (and not the base's)."""
     import hf_llama
     import loop_worker
     import persistence_worker
     from peft import PeftModel
 
-    root, _ = loop
-    peft_dir = root / "peft"
-    done = subprocess.run(
-        [sys.executable, "-m", "megatron_lora_patch", "export", "--checkpoint", str(root / "tp1"), "--out", str(peft_dir)],
-        cwd=str(root), capture_output=True, text=True, env=clean_environ(),
-    )
+    peft_dir = root / f"peft-{checkpoint.name}"
+    command = [sys.executable, "-m", "megatron_lora_patch", "export", "--checkpoint", str(checkpoint), "--out", str(peft_dir)]
+    done = subprocess.run(command, cwd=str(root), capture_output=True, text=True, env=clean_environ())
     assert done.returncode == 0, done.stderr
-    weights = loop_worker.testbed_weights(_model_tensors(root / "tp1"), SPEC)
+    weights = loop_worker.testbed_weights(_model_tensors(base), SPEC)
     (megatron,) = run_world(
-        loop_worker.logits_world, 1, args=(SPEC, weights, str(root / "tp1" / "iter_0000004"), LORA_RANK), name="tp1"
+        loop_worker.logits_world, 1, args=(SPEC, weights, checkpoint_source.resolve(str(checkpoint)), LORA_RANK),
+        name="tp1",
     )
     tokens, _ = persistence_worker.batch(SPEC)
-    base = hf_llama.llama_for(SPEC, 0, weights)
+    base_model = hf_llama.llama_for(SPEC, 0, weights)
     with torch.no_grad():
-        base_logits = base(tokens).logits
-        peft_logits = PeftModel.from_pretrained(base, str(peft_dir)).eval()(tokens).logits
+        base_logits = base_model(tokens).logits
+        peft_logits = PeftModel.from_pretrained(base_model, str(peft_dir)).eval()(tokens).logits
     tolerance = 1e-5  # max-abs error relative to the largest logit, fp32 (as tests/test_persistence_peft.py)
     assert ((peft_logits - megatron).abs().max() / megatron.abs().max()).item() <= tolerance
     assert ((base_logits - megatron).abs().max() / megatron.abs().max()).item() > 100 * tolerance
+
+
+def test_export_of_the_final_checkpoint_loads_in_peft_and_matches_megatron(loop):
+    root, _ = loop
+    export_matches_megatron(root, root / "tp1", root / "tp1")
