@@ -143,7 +143,7 @@ def test_no_loaded_base_stops_before_the_first_step(runs):
     wrong = runs / "no-such-dir"
     done = one_rank(["--load", str(wrong), "--finetune"], ENV, runs)
     message = (
-        "LoRA would train on a randomly initialised base: no checkpoint was found in {wrong}; pass "
+        f"LoRA would train on a randomly initialised base: no checkpoint was found in {wrong}; pass "
         "--pretrained-checkpoint BASE_DIR (or --load BASE_DIR --finetune), or set MEGATRON_LORA_ALLOW_RANDOM_BASE=1 "
         "to train on a random base on purpose (tests)"
     )

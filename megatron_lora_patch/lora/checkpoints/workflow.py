@@ -182,9 +182,9 @@ def load_with_base(wrapped: Any, instance: Any, args: tuple, kwargs: dict, load:
         result = load(wrapped, instance, args, kwargs)
         _LOADED_BASE.append(os.path.abspath(directory))
         return result
-    base = base_directory(directory)
+    base, count = base_directory(directory), len({entry.key for _, entry in missing})
     if base is None:
-        raise _missing_base_error(directory, len(missing), _pretrained_dir() or _recorded_base(directory))
+        raise _missing_base_error(directory, count, _pretrained_dir() or _recorded_base(directory))
     for path, _ in missing:
         _pop(state, path)
     result = load(wrapped, instance, args, kwargs)
@@ -192,7 +192,7 @@ def load_with_base(wrapped: Any, instance: Any, args: tuple, kwargs: dict, load:
     for path, value in _read_base(wrapped, missing, base, directory).items():
         _place(loaded, path, value)
     _LOADED_BASE.append(os.path.abspath(base))
-    _announce(directory, base, len(missing))
+    _announce(directory, base, count)
     return result
 
 
