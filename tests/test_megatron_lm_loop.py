@@ -47,25 +47,78 @@ SPEC = TinyGPTSpec()
 LORA_RANK = 4
 ITERATIONS, GLOBAL_BATCH = 4, 4
 MODEL_ARGS = [
-    "--num-layers", str(SPEC.num_layers), "--hidden-size", str(SPEC.hidden_size),
-    "--num-attention-heads", str(SPEC.num_attention_heads), "--group-query-attention",
-    "--num-query-groups", str(SPEC.num_query_groups), "--ffn-hidden-size", str(SPEC.ffn_hidden_size),
-    "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-    "--untie-embeddings-and-output-weights", "--seq-length", str(SPEC.seq_length),
-    "--max-position-embeddings", str(SPEC.seq_length), "--vocab-size", str(SPEC.vocab_size),
-    "--make-vocab-size-divisible-by", "1",
+    "--num-layers",
+    str(SPEC.num_layers),
+    "--hidden-size",
+    str(SPEC.hidden_size),
+    "--num-attention-heads",
+    str(SPEC.num_attention_heads),
+    "--group-query-attention",
+    "--num-query-groups",
+    str(SPEC.num_query_groups),
+    "--ffn-hidden-size",
+    str(SPEC.ffn_hidden_size),
+    "--swiglu",
+    "--disable-bias-linear",
+    "--normalization",
+    "RMSNorm",
+    "--position-embedding-type",
+    "rope",
+    "--untie-embeddings-and-output-weights",
+    "--seq-length",
+    str(SPEC.seq_length),
+    "--max-position-embeddings",
+    str(SPEC.seq_length),
+    "--vocab-size",
+    str(SPEC.vocab_size),
+    "--make-vocab-size-divisible-by",
+    "1",
 ]
 # What a CPU / non-TE run needs beyond the usual arguments (the README's "Fine-tune with Megatron-LM").
 HOST_ARGS = [
-    "--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
-    "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion", "--distributed-backend", "gloo",
-    "--use-cpu-initialization", "--eval-iters", "0", "--eval-interval", "1000",
+    "--transformer-impl",
+    "local",
+    "--no-rope-fusion",
+    "--no-persist-layer-norm",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-swiglu-fusion",
+    "--distributed-backend",
+    "gloo",
+    "--use-cpu-initialization",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
 ]
 TRAIN_ARGS = [
-    "--tokenizer-type", "NullTokenizer", "--mock-data", "--micro-batch-size", "1",
-    "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(ITERATIONS), "--lr", "1e-2",
-    "--lr-decay-style", "constant", "--weight-decay", "0", "--clip-grad", "1.0", "--seed", "1234",
-    "--ckpt-format", "torch_dist", "--log-interval", "1", "--attention-dropout", "0", "--hidden-dropout", "0",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--mock-data",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    str(GLOBAL_BATCH),
+    "--train-iters",
+    str(ITERATIONS),
+    "--lr",
+    "1e-2",
+    "--lr-decay-style",
+    "constant",
+    "--weight-decay",
+    "0",
+    "--clip-grad",
+    "1.0",
+    "--seed",
+    "1234",
+    "--ckpt-format",
+    "torch_dist",
+    "--log-interval",
+    "1",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
 ]
 MOE_ARGS = ["--num-experts", "2", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather"]
 TOPOLOGIES = {  # name -> (extra arguments, ranks, data-parallel size)
@@ -78,6 +131,9 @@ TOPOLOGIES = {  # name -> (extra arguments, ranks, data-parallel size)
 LORA_ENV = {
     "MEGATRON_PLUGINS": "lora_correct,cpu_testbed",  # cpu_testbed: its cpu_compat patch, Megatron on CPU
     "MEGATRON_LORA_RANK": str(LORA_RANK),
+    # Full checkpoints (base included), so the tests below read the base back from every fine-tune;
+    # adapter-sized checkpoints, the default, are tests/test_adapter_checkpoints.py's.
+    "MEGATRON_LORA_FULL_CHECKPOINTS": "1",
 }
 TESTBED_ENV = {"PYTHONPATH": str(TESTBED)}
 BASE_INFO = "holds no adapters (a base checkpoint): the base weights load as saved"
@@ -88,7 +144,9 @@ def _python_without_the_package(root: pathlib.Path) -> pathlib.Path:
     start-up hook never runs, which is what "not installed" means for a Megatron process."""
     venv.EnvBuilder(with_pip=False, symlinks=True).create(root)
     python = root / "bin" / "python"
-    purelib = subprocess.check_output([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True)
+    purelib = subprocess.check_output(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+    )
     stdlib = sysconfig.get_paths()["stdlib"]
     paths = [p for p in sys.path if p and "site-packages" in p and os.path.isdir(p) and not p.startswith(stdlib)]
     (pathlib.Path(purelib.strip()) / "zz_dependencies.pth").write_text("\n".join(paths) + "\n")
@@ -98,7 +156,12 @@ def _python_without_the_package(root: pathlib.Path) -> pathlib.Path:
 def _run(command: list, env: dict, cwd: pathlib.Path) -> subprocess.CompletedProcess:
     environ = clean_environ(CUDA_DEVICE_MAX_CONNECTIONS="1", **env)
     return subprocess.run(
-        command + MODEL_ARGS + HOST_ARGS + TRAIN_ARGS, env=environ, capture_output=True, text=True, timeout=600, cwd=str(cwd)
+        command + MODEL_ARGS + HOST_ARGS + TRAIN_ARGS,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(cwd),
     )
 
 
@@ -118,7 +181,7 @@ def _step_losses(record: pathlib.Path, data_parallel: int) -> list:
     steps = len(per_rank[0]) // per_step
     losses = []
     for step in range(steps):
-        parts = [entry for rank in per_rank for entry in rank[step * per_step:(step + 1) * per_step]]
+        parts = [entry for rank in per_rank for entry in rank[step * per_step : (step + 1) * per_step]]
         losses.append(sum(loss for loss, _ in parts) / sum(tokens for _, tokens in parts))
     return losses
 
@@ -129,7 +192,9 @@ def _model_tensors(directory) -> dict:
 
     path = checkpoint_source.resolve(str(directory))
     with checkpoint_source.process_group():
-        wanted = {k: v for k, v in dist_checkpointing.load_tensors_metadata(path).items() if not k.startswith("optimizer.")}
+        wanted = {
+            k: v for k, v in dist_checkpointing.load_tensors_metadata(path).items() if not k.startswith("optimizer.")
+        }
         loaded = dist_checkpointing.load(wanted, path, validate_access_integrity=False)
     return {key: loaded[key] for key in wanted}
 
@@ -157,34 +222,62 @@ def loop(tmp_path_factory):
 def _all_runs(root: pathlib.Path):
     runs = {}
     base = root / "base"
-    runs["base"] = _launch(sys.executable, 1, ["--save", str(base), "--save-interval", str(ITERATIONS)], TESTBED_ENV, root / "rec-base")
+    runs["base"] = _launch(
+        sys.executable, 1, ["--save", str(base), "--save-interval", str(ITERATIONS)], TESTBED_ENV, root / "rec-base"
+    )
     not_installed = _python_without_the_package(root / "not-installed")
     runs["base-not-installed"] = _launch(
-        not_installed, 1, ["--save", str(root / "base-not-installed"), "--save-interval", str(ITERATIONS)], TESTBED_ENV,
+        not_installed,
+        1,
+        ["--save", str(root / "base-not-installed"), "--save-interval", str(ITERATIONS)],
+        TESTBED_ENV,
         root / "rec-base-not-installed",
     )
     for name, (args, ranks, _) in TOPOLOGIES.items():
         runs[name] = _launch(
-            sys.executable, ranks, args + ["--load", str(base), "--finetune", "--save", str(root / name), "--save-interval", "2"],
-            LORA_ENV, root / f"rec-{name}",
+            sys.executable,
+            ranks,
+            args + ["--load", str(base), "--finetune", "--save", str(root / name), "--save-interval", "2"],
+            LORA_ENV,
+            root / f"rec-{name}",
         )
     resumed = root / "resumed"
     shutil.copytree(root / "tp1" / "iter_0000002", resumed / "iter_0000002")
     (resumed / "latest_checkpointed_iteration.txt").write_text("2")
     runs["resumed"] = _launch(
-        sys.executable, 2, TOPOLOGIES["tp2"][0] + ["--load", str(resumed), "--save", str(resumed), "--save-interval", "2"],
-        LORA_ENV, root / "rec-resumed",
+        sys.executable,
+        2,
+        TOPOLOGIES["tp2"][0] + ["--load", str(resumed), "--save", str(resumed), "--save-interval", "2"],
+        LORA_ENV,
+        root / "rec-resumed",
     )
     runs["pretrained"] = _launch(
-        sys.executable, 1, ["--pretrained-checkpoint", str(base), "--dist-ckpt-strictness", "log_all"], LORA_ENV,
+        sys.executable,
+        1,
+        ["--pretrained-checkpoint", str(base), "--dist-ckpt-strictness", "log_all"],
+        LORA_ENV,
         root / "rec-pretrained",
     )
     runs["moe-base"] = _launch(
-        sys.executable, 1, MOE_ARGS + ["--save", str(root / "moe-base"), "--save-interval", str(ITERATIONS)], TESTBED_ENV,
+        sys.executable,
+        1,
+        MOE_ARGS + ["--save", str(root / "moe-base"), "--save-interval", str(ITERATIONS)],
+        TESTBED_ENV,
         root / "rec-moe-base",
     )
     runs["moe"] = _launch(
-        sys.executable, 1, MOE_ARGS + ["--load", str(root / "moe-base"), "--finetune", "--save", str(root / "moe"), "--save-interval", str(ITERATIONS)],
+        sys.executable,
+        1,
+        MOE_ARGS
+        + [
+            "--load",
+            str(root / "moe-base"),
+            "--finetune",
+            "--save",
+            str(root / "moe"),
+            "--save-interval",
+            str(ITERATIONS),
+        ],
         LORA_ENV,
         root / "rec-moe",
     )
@@ -283,18 +376,27 @@ def test_pretrained_checkpoint_at_log_all_strictness_equals_load_finetune(loop):
     assert _output(runs["pretrained"]).count(BASE_INFO) == 1
 
 
-def test_adapters_of_another_rank_stop_the_load_with_one_line(loop):
+def one_rank(args: list, env: dict, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    """The launch script as one plain process (no torchrun), with the world variables torchrun sets."""
     import socket
 
-    root, _ = loop
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    done = _run(
-        [sys.executable, str(SCRIPT), "--load", str(root / "tp1"), "--finetune"],
-        {**LORA_ENV, **world, "MEGATRON_LORA_RANK": "8"}, root,
-    )
+    return _run([sys.executable, str(SCRIPT), *args], {**env, **world}, cwd)
+
+
+def assert_stops_before_training(done: subprocess.CompletedProcess, message: str) -> None:
+    """The process stopped before any step with this one message (torch.distributed prefixes "[rank0]: ")."""
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert sum(line.endswith(message) for line in done.stderr.splitlines()) == 1, done.stderr[-3000:]
+    assert "iteration        1/" not in done.stdout
+
+
+def test_adapters_of_another_rank_stop_the_load_with_one_line(loop):
+    root, _ = loop
+    done = one_rank(["--load", str(root / "tp1"), "--finetune"], {**LORA_ENV, "MEGATRON_LORA_RANK": "8"}, root)
     mine = "rank 8 on linear_fc1, linear_fc2, linear_proj, linear_qkv"
     theirs = "rank 4 on linear_fc1, linear_fc2, linear_proj, linear_qkv"
     message = (
@@ -302,34 +404,47 @@ def test_adapters_of_another_rank_stop_the_load_with_one_line(loop):
         "set MEGATRON_LORA_RANK and MEGATRON_LORA_TARGETS as when it was saved, "
         "or fine-tune from a base checkpoint without adapters"
     )
-    # The process stops before any step with this one message (torch.distributed prefixes "[rank0]: ").
-    assert done.returncode == 1, done.stderr[-3000:]
-    assert sum(line.endswith(message) for line in done.stderr.splitlines()) == 1, done.stderr[-3000:]
-    assert "iteration        1/" not in done.stdout
+    assert_stops_before_training(done, message)
 
 
-def test_export_of_the_final_checkpoint_loads_in_peft_and_matches_megatron(loop):
+def export_matches_megatron(root: pathlib.Path, checkpoint: pathlib.Path, base: pathlib.Path) -> None:
+    """`megatron-lora-patch export` of `checkpoint` (a --save directory) loads in peft onto the base
+    weights of `base` and gives Megatron's logits (and not the base's)."""
     import hf_llama
     import loop_worker
     import persistence_worker
     from peft import PeftModel
 
-    root, _ = loop
-    peft_dir = root / "peft"
-    done = subprocess.run(
-        [sys.executable, "-m", "megatron_lora_patch", "export", "--checkpoint", str(root / "tp1"), "--out", str(peft_dir)],
-        cwd=str(root), capture_output=True, text=True, env=clean_environ(),
-    )
+    peft_dir = root / f"peft-{checkpoint.name}"
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_lora_patch",
+        "export",
+        "--checkpoint",
+        str(checkpoint),
+        "--out",
+        str(peft_dir),
+    ]
+    done = subprocess.run(command, cwd=str(root), capture_output=True, text=True, env=clean_environ())
     assert done.returncode == 0, done.stderr
-    weights = loop_worker.testbed_weights(_model_tensors(root / "tp1"), SPEC)
+    weights = loop_worker.testbed_weights(_model_tensors(base), SPEC)
     (megatron,) = run_world(
-        loop_worker.logits_world, 1, args=(SPEC, weights, str(root / "tp1" / "iter_0000004"), LORA_RANK), name="tp1"
+        loop_worker.logits_world,
+        1,
+        args=(SPEC, weights, checkpoint_source.resolve(str(checkpoint)), LORA_RANK),
+        name="tp1",
     )
     tokens, _ = persistence_worker.batch(SPEC)
-    base = hf_llama.llama_for(SPEC, 0, weights)
+    base_model = hf_llama.llama_for(SPEC, 0, weights)
     with torch.no_grad():
-        base_logits = base(tokens).logits
-        peft_logits = PeftModel.from_pretrained(base, str(peft_dir)).eval()(tokens).logits
+        base_logits = base_model(tokens).logits
+        peft_logits = PeftModel.from_pretrained(base_model, str(peft_dir)).eval()(tokens).logits
     tolerance = 1e-5  # max-abs error relative to the largest logit, fp32 (as tests/test_persistence_peft.py)
     assert ((peft_logits - megatron).abs().max() / megatron.abs().max()).item() <= tolerance
     assert ((base_logits - megatron).abs().max() / megatron.abs().max()).item() > 100 * tolerance
+
+
+def test_export_of_the_final_checkpoint_loads_in_peft_and_matches_megatron(loop):
+    root, _ = loop
+    export_matches_megatron(root, root / "tp1", root / "tp1")

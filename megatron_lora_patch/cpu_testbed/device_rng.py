@@ -12,7 +12,14 @@ from different base weights. Here:
 - a random factory called with a literal CUDA device outside a tracker fork draws from
   `GENERATOR` (`route_random_factory`, called by the host device mode). Inside a fork the
   tracker's state is swapped into the CPU default generator (`cpu_testbed.rng`), which is
-  where that draw belongs, as on a GPU.
+  where that draw belongs, as on a GPU;
+- a draw on an activation outside a tracker fork (Megatron's hidden / embedding dropout, the
+  LoRA keep-mask: `DEVICE_DRAWS`) draws from `GENERATOR` too (`draw_on_device`), as it draws
+  from the CUDA default generator on a GPU. Otherwise host-side draws would move the dropout
+  stream: Megatron-LM restores both generators from a checkpoint and then builds its data
+  loader, which draws a seed from the CPU generator, so a resumed run dropped other units
+  than the uninterrupted one (issue 27 item 4: losses 0.1 % then 0.5 % off from the first
+  resumed update on).
 """
 
 from __future__ import annotations
@@ -25,6 +32,10 @@ import torch
 GENERATOR = torch.Generator(device="cpu")
 RANDOM_FACTORIES = frozenset({torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal})
 _fork_depth = [0]
+
+
+#: Draws that read an activation, which lives on the device on a GPU.
+DEVICE_DRAWS = frozenset({torch.nn.functional.dropout, torch.dropout, torch.Tensor.bernoulli_})
 
 
 def manual_seed(seed: int) -> None:
@@ -57,3 +68,20 @@ def route_random_factory(func: Any, kwargs: dict) -> dict:
     if func in RANDOM_FACTORIES and kwargs.get("generator") is None and not _fork_depth[0]:
         return {**kwargs, "generator": GENERATOR}
     return kwargs
+
+
+def routes_to_device(func: Any) -> bool:
+    """Whether `func` is an activation draw made outside a tracker fork (it belongs to `GENERATOR`)."""
+    return func in DEVICE_DRAWS and not _fork_depth[0]
+
+
+def draw_on_device(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`func(*args, **kwargs)` drawing from `GENERATOR`, swapped into the CPU generator (dropout
+    takes no generator argument) and out again; the CPU generator's own stream is left as it was."""
+    outer = torch.get_rng_state()
+    torch.set_rng_state(GENERATOR.get_state())
+    try:
+        return func(*args, **kwargs)
+    finally:
+        GENERATOR.set_state(torch.get_rng_state())
+        torch.set_rng_state(outer)

@@ -8,8 +8,9 @@ works there. This module replaces, for as long as the patch is applied:
 - `torch.cuda.current_device()` -> `torch.device("cpu")` (global: the call sites are
   spread over ~40 Megatron modules that all read it through the `torch` module);
 - `torch.cuda.synchronize()` -> no-op (CPU ops are synchronous);
-- `torch.cuda` seeding and RNG state, and random factories given a CUDA device, -> the
-  host's own "CUDA generator" (`cpu_testbed.device_rng`), separate from the CPU generator;
+- `torch.cuda` seeding and RNG state, random factories given a CUDA device, and dropout on
+  activations outside a tracker fork -> the host's own "CUDA generator"
+  (`cpu_testbed.device_rng`), separate from the CPU generator;
 - `torch.cuda.Stream` / `current_stream` / `stream` -> a host stream whose events are
   always complete (MoE dispatcher and DDP create side streams);
 - a `TorchFunctionMode` that maps a CUDA `device=` argument to the CPU and makes
@@ -118,6 +119,8 @@ class HostDeviceMode(TorchFunctionMode):
             kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], _HOST, *args[2:])
+        if device_rng.routes_to_device(func):
+            return device_rng.draw_on_device(func, args, kwargs)
         return func(*args, **kwargs)
 
 

@@ -5,7 +5,9 @@ the CUDA RNG state raises, so the tracker (`tensor_parallel/random.py`) can neit
 nor fork a state. On the host the "CUDA" generator is the CPU default generator: the
 tracker's named states become CPU generator states, forking swaps them in and out of
 the CPU generator, and seeding seeds it. Random streams per name and per rank stay
-distinct exactly as Megatron defines them (same seeds, same offsets).
+distinct exactly as Megatron defines them (same seeds, same offsets). Outside a fork the
+default CUDA state (`_get_cuda_rng_state`, which activation recompute saves and restores) is
+the host's own CUDA default generator, `device_rng.GENERATOR`.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from megatron_lora_patch.cpu_testbed import device_rng
 
 
 def get_host_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
-    """Replacement of `random._get_cuda_rng_state`: the CPU generator state."""
-    return torch.get_rng_state()
+    """Replacement of `random._get_cuda_rng_state`: the host's CUDA default generator state
+    (`device_rng.GENERATOR`), which activation recompute saves beside the CPU state and the tracker's."""
+    return device_rng.get_rng_state()
 
 
 def set_host_rng_state(new_state: torch.Tensor, device=None, graph_safe: bool = False) -> None:
-    """Replacement of `random._set_cuda_rng_state`: set the CPU generator state."""
-    torch.set_rng_state(new_state)
+    """Replacement of `random._set_cuda_rng_state`: set the host's CUDA default generator state."""
+    device_rng.set_rng_state(new_state)
 
 
 def add_host_state(wrapped, tracker, args, kwargs):

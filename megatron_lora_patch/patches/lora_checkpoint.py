@@ -11,7 +11,13 @@ adapters across TP / EP / PP / DP. Layers without an adapter are untouched.
 `megatron.core.dist_checkpointing.save` / `load` (what Megatron-LM's checkpointing calls):
 a save records the adapter description, a load from a base checkpoint (no adapters)
 keeps the adapters' init, a load of mismatched adapters stops with one line
-(`megatron_lora_patch.lora.checkpoints.megatron`).
+(`megatron_lora_patch.lora.checkpoints.megatron`); a Megatron-LM training checkpoint of a
+LoRA model is adapter-sized and its frozen base is read back from the base checkpoint
+(`megatron_lora_patch.lora.checkpoints.workflow`, docs/checkpoints.md).
+
+Megatron-LM (`megatron.training`): `setup_model_and_optimizer` stops a LoRA run whose base
+never loaded; the argument parser accepts `--save-trainable-params-only` (Megatron-LM PR #7280)
+where the installed Megatron-LM does not define it yet.
 """
 
 from __future__ import annotations
@@ -39,13 +45,41 @@ def _save(wrapped, instance, args, kwargs):
 
 def _load(wrapped, instance, args, kwargs):
     from megatron_lora_patch.lora.checkpoints.megatron import load_base_or_adapters
+    from megatron_lora_patch.lora.checkpoints.workflow import load_with_base
 
-    return load_base_or_adapters(wrapped, instance, args, kwargs)
+    return load_with_base(wrapped, instance, args, kwargs, load_base_or_adapters)
 
 
 def _patch_dist_checkpointing(patcher, dist_checkpointing) -> None:
     patcher.wrap(dist_checkpointing, "save", _save)
     patcher.wrap(dist_checkpointing, "load", _load)
+
+
+def _setup_model_and_optimizer(wrapped, instance, args, kwargs):
+    from megatron_lora_patch.lora.checkpoints.workflow import require_loaded_base
+
+    return require_loaded_base(wrapped, instance, args, kwargs)
+
+
+def _patch_training(patcher, training) -> None:
+    patcher.wrap(training, "setup_model_and_optimizer", _setup_model_and_optimizer)
+
+
+_TRAINABLE_ONLY = "--save-trainable-params-only"
+
+
+def _checkpointing_args(wrapped, instance, args, kwargs):
+    parser = wrapped(*args, **kwargs)
+    if _TRAINABLE_ONLY not in parser._option_string_actions:  # Megatron-LM without PR #7280
+        parser.add_argument(
+            _TRAINABLE_ONLY, action="store_true",
+            help="save only trainable parameters (megatron-lora-patch: the default of a LoRA run)",
+        )
+    return parser
+
+
+def _patch_arguments(patcher, arguments) -> None:
+    patcher.wrap(arguments, "_add_checkpointing_args", _checkpointing_args)
 
 
 SPEC = PatchSpec(
@@ -54,6 +88,8 @@ SPEC = PatchSpec(
     hooks={
         "megatron.core.tensor_parallel.layers": _patch_layers,
         "megatron.core.dist_checkpointing": _patch_dist_checkpointing,
+        "megatron.training.training": _patch_training,
+        "megatron.training.arguments": _patch_arguments,
     },
     versions=">=0.13,<0.20",
     default=True,

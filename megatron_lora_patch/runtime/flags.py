@@ -19,6 +19,10 @@ DISABLED_VARIABLE = "MEGATRON_LORA_DISABLED_PATCHES"
 STRICT_VARIABLE = "MEGATRON_LORA_STRICT"
 ALLOW_UNTESTED_VARIABLE = "MEGATRON_LORA_ALLOW_UNTESTED"
 CPU_COMPAT_FORCE_VARIABLE = "MEGATRON_LORA_CPU_COMPAT_FORCE"
+#: Megatron-LM checkpoints of a LoRA run (`lora.checkpoints.workflow`): keep full checkpoints instead of
+#: adapter-sized ones; let a LoRA run start from a randomly initialised base (tests).
+FULL_CHECKPOINTS_VARIABLE = "MEGATRON_LORA_FULL_CHECKPOINTS"
+ALLOW_RANDOM_BASE_VARIABLE = "MEGATRON_LORA_ALLOW_RANDOM_BASE"
 PATCH_VARIABLE_PREFIX = "MEGATRON_LORA_PATCH_"
 
 #: Variables that were renamed: the old name fails with the new one.
@@ -33,7 +37,10 @@ _warned_renames: set = set()
 PLUGIN_OF_PATCH = {"cpu_compat": "cpu_testbed"}
 
 #: The runtime's own boolean variables (each validated at activation).
-BOOLEAN_VARIABLES = (STRICT_VARIABLE, ALLOW_UNTESTED_VARIABLE, CPU_COMPAT_FORCE_VARIABLE)
+BOOLEAN_VARIABLES = (
+    STRICT_VARIABLE, ALLOW_UNTESTED_VARIABLE, CPU_COMPAT_FORCE_VARIABLE, FULL_CHECKPOINTS_VARIABLE,
+    ALLOW_RANDOM_BASE_VARIABLE,
+)
 RUNTIME_VARIABLES = (DISABLED_VARIABLE, *BOOLEAN_VARIABLES)
 
 _TRUE = ("1", "true", "yes", "on")

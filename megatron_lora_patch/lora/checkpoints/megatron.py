@@ -6,7 +6,8 @@ entry points Megatron-LM's `save_checkpoint` / `load_checkpoint` and `save_adapt
 
 - **save**: a state that holds adapter tensors also gets the plugin's description (rank,
   alpha, targets, layout and the model shape, `checkpoint.describe`) in its common state,
-  so `megatron-lora-patch export` needs no flags for any checkpoint the plugin wrote.
+  so `megatron-lora-patch export` needs no flags for any checkpoint the plugin wrote; a
+  Megatron-LM training checkpoint leaves the frozen base out (`workflow.trim_save`).
 - **load from a base checkpoint** (no adapter tensors in it, e.g. pretrained without the
   plugin, `--load BASE --finetune` or `--pretrained-checkpoint BASE`): the adapter entries
   are taken out of the request before Megatron plans the load, at any strictness, so
@@ -24,7 +25,7 @@ import inspect
 import logging
 from typing import Any, Dict, Iterator, List, Tuple
 
-from megatron_lora_patch.lora.checkpoints import checkpoint
+from megatron_lora_patch.lora.checkpoints import checkpoint, workflow
 from megatron_lora_patch.lora.layers import attach
 from megatron_lora_patch.runtime.errors import UsageError
 
@@ -70,6 +71,7 @@ def save_with_description(wrapped, instance, args, kwargs):
         description = _description_of(state)
         if description is not None:
             state[checkpoint.DESCRIPTION_KEY] = description
+            workflow.trim_save(state)
     return wrapped(*args, **kwargs)
 
 
@@ -109,7 +111,11 @@ def _saved_adapters(directory: str) -> Dict[str, Any]:
 
     from megatron_lora_patch.lora.checkpoints.source import is_model_adapter_key
 
-    return {key: entry for key, entry in dist_checkpointing.load_tensors_metadata(directory).items() if is_model_adapter_key(key)}
+    return {
+        key: entry
+        for key, entry in dist_checkpointing.load_tensors_metadata(directory).items()
+        if is_model_adapter_key(key)
+    }
 
 
 def _put_back(loaded: dict, slots: List[Tuple[Tuple, Any]]) -> None:
@@ -127,7 +133,9 @@ def _announce_base(directory: str, count: int) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info(
             "LoRA: %s holds no adapters (a base checkpoint): the base weights load as saved, "
-            "the %d adapter tensors keep their initialization", directory, count,
+            "the %d adapter tensors keep their initialization",
+            directory,
+            count,
         )
 
 

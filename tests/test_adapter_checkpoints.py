@@ -1,0 +1,152 @@
+"""Adapter-sized Megatron-LM checkpoints of a LoRA run and a base that must load (issue 27 items 1, 2).
+
+Megatron-LM's own training loop (`megatron_lm_gpt.py`, as in tests/test_megatron_lm_loop.py): a
+base is pretrained without the LoRA plugin; a LoRA run `--pretrained-checkpoint BASE --load RUN
+--save RUN` trains 4 iterations uninterrupted and saves each (adapter-only by default). Its
+checkpoint of iteration 2 resumes on TP2 (iterations 3-4, base from the recorded path), whose
+checkpoint of iteration 3 resumes on PP2 (4). The resumed losses must equal the uninterrupted
+run's within `LOSS_TOLERANCE` (fp32; measured: <= 5.1e-8 relative, TP2 / PP2 reduction order);
+the negative control resumes without the optimizer state (`--no-load-optim`) and must miss by
+>= 100x. A run without a loaded base stops with one line unless `MEGATRON_LORA_ALLOW_RANDOM_BASE=1`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import shutil
+import sys
+
+import pytest
+
+if importlib.util.find_spec("megatron.training") is None:
+    pytest.skip("megatron.training is absent: megatron-core < 0.17 ships no training loop", allow_module_level=True)
+
+from test_megatron_lm_loop import (  # noqa: E402  (the loop test's launcher and readers)
+    ITERATIONS,
+    LORA_ENV,
+    TESTBED_ENV,
+    _launch,
+    _model_tensors,
+    _step_losses,
+    assert_stops_before_training,
+    export_matches_megatron,
+    one_rank,
+)
+
+LOSS_TOLERANCE = 1e-6  # 20x the measured resume noise (5.1e-8)
+ENV = {key: value for key, value in LORA_ENV.items() if key != "MEGATRON_LORA_FULL_CHECKPOINTS"}
+
+
+def _resume_copy(source: pathlib.Path, iteration: int, target: pathlib.Path) -> pathlib.Path:
+    """A --save directory holding only `source`'s checkpoint of `iteration`."""
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(source / name, target / name)
+    (target / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return target
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapter-ckpt")
+    base, run = root / "base", root / "run"
+    _launch(sys.executable, 1, ["--save", str(base), "--save-interval", "4"], TESTBED_ENV, root / "rec-base")
+    lora = ["--pretrained-checkpoint", str(base), "--load", str(run), "--save", str(run), "--save-interval", "1"]
+    _launch(sys.executable, 1, lora, ENV, root / "rec-run")
+    tp2 = _resume_copy(run, 2, root / "tp2")
+    resume = ["--load", str(tp2), "--save", str(tp2), "--save-interval", "1", "--tensor-model-parallel-size", "2"]
+    _launch(sys.executable, 2, resume, ENV, root / "rec-tp2")
+    pp2 = _resume_copy(tp2, 3, root / "pp2")
+    _launch(sys.executable, 2, ["--load", str(pp2), "--pipeline-model-parallel-size", "2"], ENV, root / "rec-pp2")
+    no_optim = _resume_copy(run, 2, root / "no-optim")
+    _launch(sys.executable, 1, ["--load", str(no_optim), "--no-load-optim"], ENV, root / "rec-no-optim")
+    return root
+
+
+def _relative_misses(losses: list, reference: list) -> list:
+    return [abs(a - b) / abs(b) for a, b in zip(losses, reference[len(reference) - len(losses):])]
+
+
+def test_resume_tp1_tp2_pp2_continues_the_uninterrupted_run(runs):
+    reference = _step_losses(runs / "rec-run", 1)
+    assert len(reference) == ITERATIONS
+    tp2, pp2 = _step_losses(runs / "rec-tp2", 1), _step_losses(runs / "rec-pp2", 1)
+    assert len(tp2) == 2 and len(pp2) == 1
+    assert max(_relative_misses(tp2, reference)) <= LOSS_TOLERANCE, (tp2, reference)
+    assert max(_relative_misses(pp2, reference)) <= LOSS_TOLERANCE, (pp2, reference)
+
+
+def test_resume_without_the_optimizer_state_misses(runs):
+    """Negative control: the first resumed update without Adam's moments moves the next loss >= 100x off."""
+    reference = _step_losses(runs / "rec-run", 1)
+    misses = _relative_misses(_step_losses(runs / "rec-no-optim", 1), reference)
+    assert misses[0] <= LOSS_TOLERANCE  # the weights themselves are restored
+    assert max(misses[1:]) >= 100 * LOSS_TOLERANCE, misses
+
+
+def test_checkpoints_hold_the_adapters_and_their_adam_state_only(runs):
+    """No frozen tensor is saved: the checkpoint's tensors are the adapters and their two Adam moments."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_lora_patch.lora.checkpoints import source
+
+    for directory in (runs / "run" / "iter_0000002", runs / "tp2" / "iter_0000003"):
+        with source.process_group():
+            held = dist_checkpointing.load_tensors_metadata(str(directory))
+        adapters = {key: entry for key, entry in held.items() if not key.startswith("optimizer.")}
+        assert adapters and all(".lora." in key for key in adapters), sorted(adapters)
+        numel = {key: _numel(entry) for key, entry in held.items()}
+        adapter_numel = sum(numel[key] for key in adapters)
+        assert sum(numel.values()) == 3 * adapter_numel  # the factors, exp_avg, exp_avg_sq
+
+
+def _numel(entry) -> int:
+    count = 1
+    for size in entry.global_shape:
+        count *= size
+    return count
+
+
+def test_checkpoint_size_follows_the_adapter_not_the_base(runs):
+    """On disk: an adapter-only checkpoint (with its Adam state) is a fraction of the base alone."""
+    def size(directory: pathlib.Path) -> int:
+        return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+    adapter_only, base = size(runs / "run" / "iter_0000002"), size(runs / "base" / "iter_0000004")
+    base_numel = sum(t.numel() for t in _model_tensors(runs / "base").values())
+    adapter_numel = sum(t.numel() for t in _model_tensors(runs / "run").values())
+    assert adapter_numel < base_numel / 10
+    assert adapter_only < base / 2, (adapter_only, base)
+
+
+def test_export_of_an_adapter_only_checkpoint_matches_megatron(runs):
+    export_matches_megatron(runs, runs / "tp2", runs / "base")
+
+
+def test_a_missing_base_stops_the_resume_with_one_line(runs):
+    moved = runs / "base-moved"
+    os.rename(runs / "base", moved)
+    try:
+        done = one_rank(["--load", str(runs / "run")], ENV, runs)
+    finally:
+        os.rename(moved, runs / "base")
+    message = (
+        f"{runs / 'run' / 'iter_0000004'} holds the LoRA adapters but not the 9 frozen base tensors, and the recorded "
+        f"base {moved.with_name('base') / 'iter_0000004'} does not exist; pass --pretrained-checkpoint BASE_DIR "
+        "(or --load BASE_DIR --finetune)"
+    )
+    assert_stops_before_training(done, message)
+
+
+def test_no_loaded_base_stops_before_the_first_step(runs):
+    wrong = runs / "no-such-dir"
+    done = one_rank(["--load", str(wrong), "--finetune"], ENV, runs)
+    message = (
+        f"LoRA would train on a randomly initialised base: no checkpoint was found in {wrong}; pass "
+        "--pretrained-checkpoint BASE_DIR (or --load BASE_DIR --finetune), or set MEGATRON_LORA_ALLOW_RANDOM_BASE=1 "
+        "to train on a random base on purpose (tests)"
+    )
+    assert_stops_before_training(done, message)
+    allowed = one_rank([], {**ENV, "MEGATRON_LORA_ALLOW_RANDOM_BASE": "1"}, runs)
+    assert allowed.returncode == 0 and "iteration        1/" in allowed.stdout, allowed.stderr[-3000:]
