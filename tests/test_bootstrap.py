@@ -263,9 +263,9 @@ def _without_this_package(site: pathlib.Path, shadow: pathlib.Path) -> str:
     return str(shadow)
 
 
-def test_editable_install_has_the_start_up_hook(tmp_path):
-    """`pip install -e .` writes the `.pth` too, and a plain `import megatron.core...` in a fresh
-    process of that environment gets lora_correct; `status` finds the hook and says so."""
+def _editable_install(tmp_path: pathlib.Path) -> tuple:
+    """`pip install -e` of a copy of the checkout's tracked files into a fresh venv that sees this
+    environment's dependencies (without this package); returns (checkout, python, site-packages)."""
     import shutil
     import subprocess
     import sys
@@ -307,6 +307,17 @@ def test_editable_install_has_the_start_up_hook(tmp_path):
         capture_output=True,
         env=clean_environ(),
     )
+    return source, python, site_packages
+
+
+def test_editable_install_has_the_start_up_hook(tmp_path):
+    """`pip install -e .` writes the `.pth` too, and a plain `import megatron.core...` in a fresh
+    process of that environment gets lora_correct; `status` finds the hook and says so."""
+    import subprocess
+
+    from conftest import clean_environ
+
+    source, python, site_packages = _editable_install(tmp_path)
     assert (pathlib.Path(site_packages) / "megatron_lora_patch-init.pth").is_file()
     code = (
         "import json, megatron.core.tensor_parallel.layers, megatron_lora_patch\n"

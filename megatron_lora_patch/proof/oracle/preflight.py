@@ -122,7 +122,6 @@ def lora_settings(lora) -> str:
 
 def make_plan(options: argparse.Namespace, environ=None) -> Plan:
     """Everything checked before any rank starts; every problem is one UsageError."""
-    from megatron_lora_patch.lora.config import LoraConfig
     from megatron_lora_patch.proof.testbed.args_check import check_widths
     from megatron_lora_patch.proof.testbed.args_model import ArgsModelSpec
     from megatron_lora_patch.proof.testbed.args_parse import parse_megatron_args
@@ -135,17 +134,7 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
             "preflight needs your pretrain_gpt.py arguments after --, e.g. preflight -- --num-layers 32 ..."
         )
     mutation = _mutation(options.mutation)
-    try:
-        user_lora = LoraConfig.from_env(environ)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    # Dropout masks cannot match across topologies; a zero B would make A's first grads trivially zero.
-    lora = dataclasses.replace(user_lora, dropout=0.0, b_init="nonzero")
-    lora_changes = tuple(
-        (f"MEGATRON_LORA_{name.upper()}", getattr(user_lora, name), getattr(lora, name))
-        for name in ("dropout", "b_init")
-        if getattr(user_lora, name) != getattr(lora, name)
-    )
+    lora, lora_changes = _compared_lora(environ)
     patches = _user_patches()
     topology_of = functools.partial(_topology_of, options.data_parallel_size)
     try:
@@ -185,6 +174,25 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
     if plan.data_path:
         _check_data(plan)
     return plan
+
+
+def _compared_lora(environ) -> tuple:
+    """The LoRA settings the comparison runs with (the user's, changed) and each change as
+    (variable, yours, compared): dropout masks cannot match across topologies, and a zero B would
+    make A's first grads trivially zero."""
+    from megatron_lora_patch.lora.config import LoraConfig
+
+    try:
+        user_lora = LoraConfig.from_env(environ)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    lora = dataclasses.replace(user_lora, dropout=0.0, b_init="nonzero")
+    lora_changes = tuple(
+        (f"MEGATRON_LORA_{name.upper()}", getattr(user_lora, name), getattr(lora, name))
+        for name in ("dropout", "b_init")
+        if getattr(user_lora, name) != getattr(lora, name)
+    )
+    return lora, lora_changes
 
 
 def _data_prefix(args: argparse.Namespace) -> Optional[str]:

@@ -196,6 +196,20 @@ def logical_state_dict(spec: TinyGPTSpec, seed: int = DEFAULT_SEED) -> dict[str,
     return weights
 
 
+def _parallel_sizes(topology: Any) -> dict:
+    """`TransformerConfig`'s parallel sizes of `topology` (None: world size 1)."""
+    names = ("tp", "pp", "cp", "ep", "etp")
+    sizes = {name: getattr(topology, name, 1) if topology is not None else 1 for name in names}
+    return dict(
+        tensor_model_parallel_size=sizes["tp"],
+        pipeline_model_parallel_size=sizes["pp"],
+        context_parallel_size=sizes["cp"],
+        expert_model_parallel_size=sizes["ep"],
+        expert_tensor_parallel_size=sizes["etp"],
+        sequence_parallel=bool(getattr(topology, "sp", False)),
+    )
+
+
 def transformer_config(
     spec: TinyGPTSpec,
     topology: Any = None,
@@ -214,9 +228,6 @@ def transformer_config(
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    sizes = {
-        name: getattr(topology, name, 1) if topology is not None else 1 for name in ("tp", "pp", "cp", "ep", "etp")
-    }
     dtype = spec.torch_dtype
     options: dict[str, Any] = dict(
         num_layers=spec.num_layers,
@@ -238,12 +249,7 @@ def transformer_config(
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=sizes["tp"],
-        pipeline_model_parallel_size=sizes["pp"],
-        context_parallel_size=sizes["cp"],
-        expert_model_parallel_size=sizes["ep"],
-        expert_tensor_parallel_size=sizes["etp"],
-        sequence_parallel=bool(getattr(topology, "sp", False)),
+        **_parallel_sizes(topology),
         use_cpu_initialization=True,
         perform_initialization=perform_initialization,
         params_dtype=dtype,
