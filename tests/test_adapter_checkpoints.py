@@ -23,15 +23,13 @@ import pytest
 if importlib.util.find_spec("megatron.training") is None:
     pytest.skip("megatron.training is absent: megatron-core < 0.17 ships no training loop", allow_module_level=True)
 
-from test_megatron_lm_loop import (  # noqa: E402  (the loop test's launcher and readers)
+from megatron_lm_checkpoints import _model_tensors, _step_losses, export_matches_megatron  # noqa: E402
+from megatron_lm_runs import (  # noqa: E402  (the loop test's launchers)
     ITERATIONS,
     LORA_ENV,
     TESTBED_ENV,
     _launch,
-    _model_tensors,
-    _step_losses,
     assert_stops_before_training,
-    export_matches_megatron,
     one_rank,
 )
 

@@ -27,7 +27,7 @@ import loop_worker  # noqa: E402
 import persistence_worker  # noqa: E402
 from conftest import clean_environ  # noqa: E402
 from error_metrics import max_abs_error_over_max  # noqa: E402
-from test_megatron_lm_loop import LORA_ENV, LORA_RANK, SPEC, TOPOLOGIES, _launch  # noqa: E402
+from megatron_lm_runs import LORA_ENV, LORA_RANK, SPEC, TOPOLOGIES, _launch  # noqa: E402
 
 from megatron_lora_patch.proof.testbed.launcher import run_world  # noqa: E402
 

@@ -23,7 +23,7 @@ if importlib.util.find_spec("megatron.training") is None:
     pytest.skip("megatron.training is absent: megatron-core < 0.17 ships no training loop", allow_module_level=True)
 
 from conftest import REPO, clean_environ  # noqa: E402
-from test_megatron_lm_loop import ITERATIONS, MODEL_ARGS, SCRIPT, TRAIN_ARGS  # noqa: E402
+from megatron_lm_runs import ITERATIONS, MODEL_ARGS, SCRIPT, TRAIN_ARGS  # noqa: E402
 
 PLACEHOLDER = "<your usual arguments>"
 USUAL_ARGUMENTS = MODEL_ARGS + TRAIN_ARGS + ["--save-interval", str(ITERATIONS)]

@@ -1,0 +1,255 @@
+"""Megatron-LM's own training loop under `torchrun`, as tests/test_megatron_lm_loop.py runs it: the tiny model's
+arguments, the topologies, the LoRA environment, the launchers and the loop test's runs (shared by other tests).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+
+from conftest import clean_environ
+
+from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
+
+TESTS = pathlib.Path(__file__).parent
+SCRIPT = TESTS / "megatron_lm_gpt.py"
+TESTBED = TESTS / "loop_testbed"
+SPEC = TinyGPTSpec()
+LORA_RANK = 4
+ITERATIONS, GLOBAL_BATCH = 4, 4
+MODEL_ARGS = [
+    "--num-layers",
+    str(SPEC.num_layers),
+    "--hidden-size",
+    str(SPEC.hidden_size),
+    "--num-attention-heads",
+    str(SPEC.num_attention_heads),
+    "--group-query-attention",
+    "--num-query-groups",
+    str(SPEC.num_query_groups),
+    "--ffn-hidden-size",
+    str(SPEC.ffn_hidden_size),
+    "--swiglu",
+    "--disable-bias-linear",
+    "--normalization",
+    "RMSNorm",
+    "--position-embedding-type",
+    "rope",
+    "--untie-embeddings-and-output-weights",
+    "--seq-length",
+    str(SPEC.seq_length),
+    "--max-position-embeddings",
+    str(SPEC.seq_length),
+    "--vocab-size",
+    str(SPEC.vocab_size),
+    "--make-vocab-size-divisible-by",
+    "1",
+]
+# What a CPU / non-TE run needs beyond the usual arguments (the README's "Fine-tune with Megatron-LM").
+HOST_ARGS = [
+    "--transformer-impl",
+    "local",
+    "--no-rope-fusion",
+    "--no-persist-layer-norm",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-swiglu-fusion",
+    "--distributed-backend",
+    "gloo",
+    "--use-cpu-initialization",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
+]
+TRAIN_ARGS = [
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--mock-data",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    str(GLOBAL_BATCH),
+    "--train-iters",
+    str(ITERATIONS),
+    "--lr",
+    "1e-2",
+    "--lr-decay-style",
+    "constant",
+    "--weight-decay",
+    "0",
+    "--clip-grad",
+    "1.0",
+    "--seed",
+    "1234",
+    "--ckpt-format",
+    "torch_dist",
+    "--log-interval",
+    "1",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+]
+MOE_ARGS = ["--num-experts", "2", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather"]
+TOPOLOGIES = {  # name -> (extra arguments, ranks, data-parallel size)
+    "tp1": ([], 1, 1),
+    "tp2": (["--tensor-model-parallel-size", "2"], 2, 1),
+    "tp2-sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, 1),
+    "pp2": (["--pipeline-model-parallel-size", "2"], 2, 1),
+    "dp2-distopt": (["--use-distributed-optimizer"], 2, 2),
+}
+LORA_ENV = {
+    "MEGATRON_PLUGINS": "lora_correct,cpu_testbed",  # cpu_testbed: its cpu_compat patch, Megatron on CPU
+    "MEGATRON_LORA_RANK": str(LORA_RANK),
+    # Full checkpoints (base included), so the loop tests read the base back from every fine-tune;
+    # adapter-sized checkpoints, the default, are tests/test_adapter_checkpoints.py's.
+    "MEGATRON_LORA_FULL_CHECKPOINTS": "1",
+}
+TESTBED_ENV = {"PYTHONPATH": str(TESTBED)}
+BASE_INFO = "holds no adapters (a base checkpoint): the base weights load as saved"
+
+
+def _python_without_the_package(root: pathlib.Path) -> pathlib.Path:
+    """An interpreter that sees this environment's packages as plain paths: the package's `.pth`
+    start-up hook never runs, which is what "not installed" means for a Megatron process."""
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(root)
+    python = root / "bin" / "python"
+    purelib = subprocess.check_output(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+    )
+    stdlib = sysconfig.get_paths()["stdlib"]
+    paths = [p for p in sys.path if p and "site-packages" in p and os.path.isdir(p) and not p.startswith(stdlib)]
+    (pathlib.Path(purelib.strip()) / "zz_dependencies.pth").write_text("\n".join(paths) + "\n")
+    return python
+
+
+def _run(command: list, env: dict, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    """`command` with the tiny model's Megatron-LM arguments, in a clean environment plus `env`."""
+    environ = clean_environ(CUDA_DEVICE_MAX_CONNECTIONS="1", **env)
+    return subprocess.run(
+        command + MODEL_ARGS + HOST_ARGS + TRAIN_ARGS,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(cwd),
+    )
+
+
+def _launch(python, ranks: int, args: list, env: dict, record: pathlib.Path) -> subprocess.CompletedProcess:
+    """`torchrun` the launch script; each loss-holding rank records its microbatch losses in `record`."""
+    record.mkdir()
+    command = [str(python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(SCRIPT)]
+    done = _run(command + args, {**env, "LOOP_RECORD_DIR": str(record)}, record.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done
+
+
+def one_rank(args: list, env: dict, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    """The launch script as one plain process (no torchrun), with the world variables torchrun sets."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return _run([sys.executable, str(SCRIPT), *args], {**env, **world}, cwd)
+
+
+def assert_stops_before_training(done: subprocess.CompletedProcess, message: str) -> None:
+    """The process stopped before any step with this one message (torch.distributed prefixes "[rank0]: ")."""
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert sum(line.endswith(message) for line in done.stderr.splitlines()) == 1, done.stderr[-3000:]
+    assert "iteration        1/" not in done.stdout
+
+
+def _all_runs(root: pathlib.Path):
+    """Every run of the loop tests, in order: bases, fine-tunes, resume, --pretrained-checkpoint, MoE."""
+    runs = _base_runs(root)
+    runs.update(_fine_tune_runs(root, root / "base"))
+    runs.update(_moe_runs(root))
+    return root, runs
+
+
+def _base_runs(root: pathlib.Path) -> dict:
+    """The base without LoRA, twice: with the package installed (plugin unset) and with it not installed."""
+    runs = {}
+    base = root / "base"
+    runs["base"] = _launch(
+        sys.executable, 1, ["--save", str(base), "--save-interval", str(ITERATIONS)], TESTBED_ENV, root / "rec-base"
+    )
+    not_installed = _python_without_the_package(root / "not-installed")
+    runs["base-not-installed"] = _launch(
+        not_installed,
+        1,
+        ["--save", str(root / "base-not-installed"), "--save-interval", str(ITERATIONS)],
+        TESTBED_ENV,
+        root / "rec-base-not-installed",
+    )
+    return runs
+
+
+def _fine_tune_runs(root: pathlib.Path, base: pathlib.Path) -> dict:
+    """LoRA on `base` on every topology, tp1's iteration 2 resumed on TP2, and --pretrained-checkpoint."""
+    runs = {}
+    for name, (args, ranks, _) in TOPOLOGIES.items():
+        runs[name] = _launch(
+            sys.executable,
+            ranks,
+            args + ["--load", str(base), "--finetune", "--save", str(root / name), "--save-interval", "2"],
+            LORA_ENV,
+            root / f"rec-{name}",
+        )
+    resumed = root / "resumed"
+    shutil.copytree(root / "tp1" / "iter_0000002", resumed / "iter_0000002")
+    (resumed / "latest_checkpointed_iteration.txt").write_text("2")
+    runs["resumed"] = _launch(
+        sys.executable,
+        2,
+        TOPOLOGIES["tp2"][0] + ["--load", str(resumed), "--save", str(resumed), "--save-interval", "2"],
+        LORA_ENV,
+        root / "rec-resumed",
+    )
+    runs["pretrained"] = _launch(
+        sys.executable,
+        1,
+        ["--pretrained-checkpoint", str(base), "--dist-ckpt-strictness", "log_all"],
+        LORA_ENV,
+        root / "rec-pretrained",
+    )
+    return runs
+
+
+def _moe_runs(root: pathlib.Path) -> dict:
+    """A MoE base without LoRA, then LoRA (experts included) fine-tuned on it."""
+    runs = {}
+    runs["moe-base"] = _launch(
+        sys.executable,
+        1,
+        MOE_ARGS + ["--save", str(root / "moe-base"), "--save-interval", str(ITERATIONS)],
+        TESTBED_ENV,
+        root / "rec-moe-base",
+    )
+    runs["moe"] = _launch(
+        sys.executable,
+        1,
+        MOE_ARGS
+        + [
+            "--load",
+            str(root / "moe-base"),
+            "--finetune",
+            "--save",
+            str(root / "moe"),
+            "--save-interval",
+            str(ITERATIONS),
+        ],
+        LORA_ENV,
+        root / "rec-moe",
+    )
+    return runs
