@@ -33,7 +33,7 @@ from preflight_cases import (  # noqa: E402
     user_environ,  # noqa: F401 (fixture)
 )
 
-from megatron_lora_patch.proof.oracle import preflight
+from megatron_lora_patch.proof.oracle import preflight, preflight_run
 from megatron_lora_patch.runtime.errors import UsageError
 
 
@@ -71,18 +71,18 @@ def test_skipped_tp_sum_fails_and_names_the_layer(tmp_path):
 
 def test_dense_pp2_passes(user_environ):
     plan = preflight.make_plan(options([*DENSE, "--pipeline-model-parallel-size", "2"]))
-    assert_passed(preflight.run_plan(plan), "pp2", ["dense", "dense"])
+    assert_passed(preflight_run.run_plan(plan), "pp2", ["dense", "dense"])
 
 
 def test_moe_ep2_passes(user_environ):
     plan = preflight.make_plan(options([*MOE, "--expert-model-parallel-size", "2"]))
-    assert_passed(preflight.run_plan(plan), "ep2", ["dense", "moe"])
+    assert_passed(preflight_run.run_plan(plan), "ep2", ["dense", "moe"])
 
 
 def test_moe_tp2_etp2_sp_passes_and_a_skipped_expert_sum_names_the_moe_layer(user_environ):
     arguments = [*MOE, *TP2_SP, "--expert-tensor-parallel-size", "2"]
-    assert_passed(preflight.run_plan(preflight.make_plan(options(arguments))), "tp2-etp2-sp", ["dense", "moe"])
-    report = preflight.run_plan(preflight.make_plan(options(arguments, mutation="skip_expert_tp_sum")))
+    assert_passed(preflight_run.run_plan(preflight.make_plan(options(arguments))), "tp2-etp2-sp", ["dense", "moe"])
+    report = preflight_run.run_plan(preflight.make_plan(options(arguments, mutation="skip_expert_tp_sum")))
     assert not report.passed
     assert report.drift["layer"] == 1 and report.drift["layer_kind"] == "moe", report.drift
     assert "experts" in report.drift["parameter"] and report.drift["over_threshold"] >= 100
@@ -237,7 +237,7 @@ def test_data_path_feeds_both_runs_the_first_tokens_and_passes(user_environ, tmp
         assert (batch["tokens"] == expected[:, :-1]).all() and (batch["labels"] == expected[:, 1:]).all()
     mock = driver._global_batches(plan.spec, driver.TrainSettings(steps=1, global_batch_size=4))
     assert not (mock[0]["tokens"] == batches[0]["tokens"]).all()  # control: the data path changed the tokens
-    assert_passed(preflight.run_plan(plan), "tp2-sp", ["dense"])
+    assert_passed(preflight_run.run_plan(plan), "tp2-sp", ["dense"])
 
 
 def _first_tokens(dataset, count: int):
@@ -267,8 +267,8 @@ def test_dense_dp2_distributed_optimizer_passes_and_ddp_averaging_on_top_fails(u
     arguments = [*DENSE, "--use-distributed-optimizer"]
     plan = preflight.make_plan(options(arguments, data_parallel_size=2))
     assert "use_distributed_optimizer" not in {change["setting"] for change in plan.describe()["changed"]}
-    assert_passed(preflight.run_plan(plan), "dp2", ["dense"])
-    report = preflight.run_plan(
+    assert_passed(preflight_run.run_plan(plan), "dp2", ["dense"])
+    report = preflight_run.run_plan(
         preflight.make_plan(options(arguments, data_parallel_size=2, mutation="ddp_average_on_top"))
     )
     assert not report.passed and report.drift["over_threshold"] >= 100, report.table()

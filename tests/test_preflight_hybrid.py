@@ -16,7 +16,7 @@ import pytest
 from conftest import assert_one_line_error
 from preflight_cases import DENSE, TP2_SP, assert_passed, cli, options, user_environ  # noqa: F401 (fixture)
 
-from megatron_lora_patch.proof.oracle import preflight
+from megatron_lora_patch.proof.oracle import preflight, preflight_run
 from megatron_lora_patch.runtime.errors import UsageError
 
 HAS_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is not None
@@ -46,7 +46,7 @@ def test_hybrid_tp2_sp_passes_says_the_kept_pattern_and_a_skipped_tp_sum_names_t
     report = json.loads(report_path.read_text())
     assert report["preflight"]["layers"]["hybrid_pattern"] == {"yours": "*-*-", "kept": "*-"}
     assert report["topologies"][0]["model"] == "hybrid"
-    failed = preflight.run_plan(preflight.make_plan(options([*HYBRID, *TP2_SP], mutation="skip_tp_sum_column_a")))
+    failed = preflight_run.run_plan(preflight.make_plan(options([*HYBRID, *TP2_SP], mutation="skip_tp_sum_column_a")))
     assert not failed.passed and failed.drift["over_threshold"] >= 100, failed.table()
     assert failed.drift["layer"] == 0 and failed.drift["layer_kind"] == "attention", failed.drift
     assert "self_attention.linear_qkv" in failed.drift["parameter"]
@@ -56,7 +56,7 @@ def test_hybrid_tp2_sp_passes_says_the_kept_pattern_and_a_skipped_tp_sum_names_t
 def test_hybrid_pp2_splits_the_kept_pattern_at_the_stage_boundary_and_passes(user_environ):
     plan = preflight.make_plan(options([*HYBRID, "--pipeline-model-parallel-size", "2"]))
     assert plan.spec.hybrid_pattern == "*|-"
-    report = preflight.run_plan(plan)
+    report = preflight_run.run_plan(plan)
     assert_passed(report, "pp2", ["attention", "mlp"])
     assert {"0", "1"} <= set(report.topologies[0].phases["grads"].per_layer)  # both stages' layers compared
 
@@ -66,8 +66,8 @@ def test_moe_hybrid_tp2_etp2_sp_passes_and_a_skipped_expert_sum_names_the_moe_la
     arguments = [*MOE_HYBRID, *TP2_SP, "--expert-tensor-parallel-size", "2"]
     plan = preflight.make_plan(options(arguments))
     assert plan.spec.hybrid_pattern == "*-E"
-    assert_passed(preflight.run_plan(plan), "tp2-etp2-sp", ["attention", "mlp", "moe"])
-    report = preflight.run_plan(preflight.make_plan(options(arguments, mutation="skip_expert_tp_sum")))
+    assert_passed(preflight_run.run_plan(plan), "tp2-etp2-sp", ["attention", "mlp", "moe"])
+    report = preflight_run.run_plan(preflight.make_plan(options(arguments, mutation="skip_expert_tp_sum")))
     assert not report.passed and report.drift["over_threshold"] >= 100, report.table()
     assert report.drift["layer"] == 2 and report.drift["layer_kind"] == "moe", report.drift
     assert "experts" in report.drift["parameter"]

@@ -64,7 +64,7 @@ def _help_text() -> str:
 
 
 def run(options: argparse.Namespace) -> int:
-    from megatron_lora_patch.proof.oracle import preflight
+    from megatron_lora_patch.proof.oracle import preflight, preflight_run
 
     with warnings.catch_warnings():
         if not options.verbose:  # Megatron's import-time notices (no Apex / TE) are noise in this process too
@@ -75,7 +75,7 @@ def run(options: argparse.Namespace) -> int:
             print(one_line(error), file=sys.stderr)
             return 2
         print(plan.summary(), flush=True)
-        report = preflight.run_plan(plan)
+        report = preflight_run.run_plan(plan)
     print(report.table())
     if options.json:
         report.write_json(options.json)

@@ -13,15 +13,11 @@ drift most); 2 on bad arguments or a model too large for this machine.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
-import os
 import re
-import time
 from typing import Any, Optional
 
-from megatron_lora_patch.proof.oracle.preflight_report import PreflightReport, drift
 from megatron_lora_patch.runtime.errors import UsageError
 
 GIB = 1024**3
@@ -275,114 +271,3 @@ def _check_memory(spec, limit_gib: Optional[float]) -> int:
         f"the world-1 reference cannot fit: ~{parameters / 1e6:.3g}M parameters need ~{needed:.3g} GiB, "
         f"{available / GIB:.3g} GiB available; {hint}"
     )
-
-
-def run_plan(plan: Plan):
-    """Reference and topology runs, compared like the oracle; an `OracleReport` with one row and `preflight` details."""
-    from megatron_lora_patch.proof.oracle.report import TopologyResult
-    from megatron_lora_patch.proof.testbed.topology import Topology
-
-    started = time.monotonic()
-    name = str(plan.topology) + (f" +{plan.mutation.name}" if plan.mutation else "")
-    model = plan.spec.family
-    report = PreflightReport(
-        settings={
-            "thresholds": plan.limits.thresholds,
-            "dtype": plan.spec.dtype,
-            "steps": plan.steps,
-            "seed": plan.spec.args.seed,
-            "model_summaries": {model: "your model (above)"},
-        },
-        preflight=plan.describe(),
-    )
-    with _cpu_only():
-        reference, error = _run(plan, Topology(), None)
-        if error:
-            error = f"the world-1 reference run failed; nothing was compared:\n{error}"
-        else:
-            records, error = _run(plan, plan.topology, plan.mutation)
-    phases, routing = {}, ""
-    if error is None:
-        phases, routing, error = _compare(plan, records, reference)
-    wall_s = max((record.get("wall_s", 0.0) for record in records or ()), default=0.0) if error is None else 0.0
-    report.topologies.append(TopologyResult(name, plan.topology.world_size, phases, error, routing, wall_s, model))
-    report.drift = drift(phases, plan.spec.kinds)
-    report.wall_s = time.monotonic() - started
-    return report
-
-
-def _run(plan: Plan, topology, mutation):
-    """(rank records, None) or (None, the world's error text)."""
-    from megatron_lora_patch.proof.oracle import canonical
-    from megatron_lora_patch.proof.oracle.harness import _on_step_end
-    from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings
-    from megatron_lora_patch.proof.testbed.launcher import WorldError
-    from megatron_lora_patch.proof.testbed.runner import Job, run_jobs
-
-    micro_batch_size = plan.spec.args.micro_batch_size
-    capture = Capture(
-        forward=canonical.is_captured,
-        on_step_end=functools.partial(_on_step_end, plan.spec.seq_length, micro_batch_size),
-    )
-    settings = TrainSettings(
-        steps=plan.steps,
-        seed=plan.spec.args.seed,
-        micro_batch_size=micro_batch_size,
-        global_batch_size=micro_batch_size * plan.topology.dp * plan.micro_batches,
-        capture=capture,
-        data_path=plan.data_path,
-        # The world-1 reference keeps the plain optimizer: an independent check of the distributed one.
-        use_distributed_optimizer=bool(plan.spec.args.use_distributed_optimizer) and topology.world_size > 1,
-    )
-    if mutation is not None and mutation.settings:
-        settings = dataclasses.replace(settings, **mutation.settings)
-    job = Job(
-        plan.spec, topology, settings, context=functools.partial(preflight_job, plan.lora, plan.patches, mutation)
-    )
-    try:
-        return run_jobs([job], timeout=plan.timeout_s, warnings=plan.rank_warnings)[0], None
-    except WorldError as error:
-        return None, str(error)
-
-
-def _compare(plan: Plan, records, reference):
-    from megatron_lora_patch.proof.oracle import canonical
-    from megatron_lora_patch.proof.oracle.phases import adapter_shapes, canonical_phases, compare, routing_maps
-
-    try:
-        shapes = adapter_shapes(reference)
-        expected = canonical_phases(reference, plan.spec, shapes)
-        phases = compare(canonical_phases(records, plan.spec, shapes), expected, plan.limits)
-        return phases, canonical.routing_divergence(routing_maps(records), routing_maps(reference)), None
-    except (ValueError, KeyError) as problem:  # a layout mismatch is a failure, never a pass
-        return {}, "", f"comparison failed: {type(problem).__name__}: {problem}"
-
-
-@contextlib.contextmanager
-def preflight_job(lora, patches: dict, mutation):
-    """Entered in every rank around a run: the patches as the user's environment resolves them
-    (cpu_compat on CPU), the user's LoRA settings, and the mutation if one was asked for."""
-    import torch
-
-    import megatron_lora_patch
-    from megatron_lora_patch.proof.oracle.harness import mutation_installed
-    from megatron_lora_patch.proof.testbed.patches import TESTBED_PLUGINS
-
-    enable = {**patches, "cpu_compat": not torch.cuda.is_available(), **(mutation.patches if mutation else {})}
-    megatron_lora_patch.apply(plugins=TESTBED_PLUGINS, enable=enable)
-    with mutation_installed(dataclasses.replace(lora, **(mutation.lora if mutation else {})), mutation):
-        yield
-
-
-@contextlib.contextmanager
-def _cpu_only():
-    """Ranks run on CPU with gloo (the testbed's world), also on a machine with GPUs."""
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved

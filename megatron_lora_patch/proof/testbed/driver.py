@@ -19,13 +19,19 @@ from megatron_lora_patch.proof.testbed import data as testing_data
 from megatron_lora_patch.proof.testbed import distributed_optimizer
 from megatron_lora_patch.proof.testbed.pretrain import PER_TOKEN, forward_step_for, reduced_lm_loss
 from megatron_lora_patch.proof.testbed.rank import to_cpu
+from megatron_lora_patch.proof.testbed.recording import (
+    ForwardRecorder,
+    ModulePredicate,
+    ParamPredicate,
+    captured_params,
+    grad_of,
+    recording_losses,
+)
 
 #: Sentinel for `finalize_model_grads_func`: resolve Megatron's function when the run starts, so a patch
 #: that wrapped `megatron.core.distributed.finalize_model_grads` is picked up, as Megatron-LM's would be.
 MEGATRON_FINALIZE = "megatron"
 
-ParamPredicate = Callable[[str, torch.nn.Parameter], bool]
-ModulePredicate = Callable[[str, torch.nn.Module], bool]
 
 
 def trainable(name: str, param: torch.nn.Parameter) -> bool:
@@ -178,71 +184,6 @@ def _single_chunk(chunks: list) -> torch.nn.Module:
     return module
 
 
-def _captured_params(chunks: list, predicate: Optional[ParamPredicate]) -> Dict[str, tuple]:
-    """local name -> (parameter, its `shards.Shard` in the logical tensor) for matched params."""
-    from megatron_lora_patch.proof.testbed.shards import named_shards
-
-    if predicate is None:
-        return {}
-    return {name: (param, shard) for name, param, shard in named_shards(chunks) if predicate(name, param)}
-
-
-def _grad_of(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    """The finalized grad: `main_grad` under Megatron DDP, `.grad` otherwise."""
-    grad = getattr(param, "main_grad", None)
-    return grad if grad is not None else param.grad
-
-
-class _ForwardRecorder:
-    """Forward hooks that append each matched module's output, per microbatch."""
-
-    def __init__(self, model: torch.nn.Module, predicate: Optional[ModulePredicate]):
-        self.outputs: Dict[str, list] = {}
-        self._handles = []
-        if predicate is None:
-            return
-        for name, module in model.named_modules():
-            if predicate(name, module):
-                self._handles.append(module.register_forward_hook(self._hook(name)))
-
-    def _hook(self, name: str):
-        def record(module, inputs, output):
-            self.outputs.setdefault(name, []).append(to_cpu(output))
-
-        return record
-
-    def take(self) -> Dict[str, list]:
-        outputs, self.outputs = self.outputs, {}
-        return outputs
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
-def _recording_losses(forward_step: Callable, sink: List[dict]) -> Callable:
-    """`forward_step` whose loss function also appends this rank's raw microbatch values to `sink`.
-
-    Read before the schedule divides the loss in place; the report dict may be a DP
-    average (legacy) and so is not a per-microbatch value.
-    """
-
-    def recorded_forward_step(data_iterator, model):
-        output_tensor, loss_function = forward_step(data_iterator, model)
-
-        def recorded_loss_function(output):
-            outputs = loss_function(output)
-            if len(outputs) == 3:
-                sink.append({"loss_sum": outputs[0].item(), "num_tokens": int(outputs[1])})
-            else:
-                sink.append({"loss_mean": outputs[0].item()})
-            return outputs
-
-        return output_tensor, recorded_loss_function
-
-    return recorded_forward_step
-
-
 def _global_batches(spec, settings: TrainSettings) -> List[testing_data.Batch]:
     """Each step's global batch: seeded random tokens, or `settings.data_path`'s first tokens in order."""
     per_step = settings.global_batch_size * (spec.seq_length + 1)
@@ -336,9 +277,9 @@ def _build_run(spec, topology, settings: TrainSettings) -> _Run:
     return _Run(
         chunks=chunks,
         optimizer=optimizer,
-        captured=_captured_params(chunks, settings.capture.params),
-        recorder=_ForwardRecorder(_single_chunk(chunks), settings.capture.forward),
-        forward_step=_recording_losses(forward_step_for(settings.loss_variant), losses),
+        captured=captured_params(chunks, settings.capture.params),
+        recorder=ForwardRecorder(_single_chunk(chunks), settings.capture.forward),
+        forward_step=recording_losses(forward_step_for(settings.loss_variant), losses),
         microbatch_losses=losses,
         num_microbatches=testing_data.num_microbatches_for(
             settings.global_batch_size, settings.micro_batch_size, parallel_state.get_data_parallel_world_size()
@@ -370,7 +311,7 @@ def _train_step(run: _Run, spec, settings: TrainSettings, step: int, global_batc
     if settings.use_distributed_optimizer and run.captured:
         distributed_optimizer.gather_reduced_grads(run.chunks)
     # Clone now: the optimizer clips these very tensors in place.
-    grads = {name: to_cpu(_grad_of(param)) for name, (param, _) in run.captured.items()}
+    grads = {name: to_cpu(grad_of(param)) for name, (param, _) in run.captured.items()}
     update_successful, grad_norm, _ = run.optimizer.step()
     keep_params = step == settings.steps - 1 or settings.capture.params_every_step
     return {
