@@ -11,17 +11,8 @@ import logging
 
 import pytest
 from error_metrics import assert_all_within, relative_l2_error
-from test_finalize_grads import (
-    apply_patches,
-    build_ddp_model,
-    gather_logical,
-    global_batch,
-    grad_tolerance,
-    mean_loss_func,
-    reference,
-    samples_of_dp_rank,
-    train_step,
-)
+from finalize_reference import global_batch, grad_tolerance, reference, samples_of_dp_rank
+from finalize_worker import apply_patches, build_ddp_model, gather_logical, mean_loss_func, train_step
 
 from megatron_lora_patch.proof.testbed.launcher import run_world
 

@@ -29,7 +29,7 @@ import collections
 import pytest
 import torch
 
-from megatron_lora_patch.patches.tp_invariant import SPEC
+from megatron_lora_patch.patches.layout_invariant import SPEC
 from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.runtime import versions
 
