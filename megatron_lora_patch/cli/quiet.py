@@ -15,11 +15,17 @@ NOISY_LOGGERS = ("torch", "megatron")
 
 
 @contextlib.contextmanager
-def quiet(verbose: bool) -> Iterator[None]:
-    """Inside: warnings ignored and the NOISY_LOGGERS at ERROR, unless `verbose`; restored on exit."""
+def quiet(verbose: bool, imports_torch: bool = True) -> Iterator[None]:
+    """Inside: warnings ignored and the NOISY_LOGGERS at ERROR, unless `verbose`; restored on exit.
+
+    Where the command imports torch anyway (`imports_torch`), torch is imported first: its import resets
+    the "torch" logger's level, and the CPU notice of `torch.utils.cpp_extension` ("No CUDA runtime is
+    found") comes later, when Megatron imports it."""
     if verbose:
         yield
         return
+    if imports_torch:
+        import torch  # noqa: F401  (see the docstring: the level must be set after this import)
     loggers = [logging.getLogger(name) for name in NOISY_LOGGERS]
     levels = [logger.level for logger in loggers]
     with warnings.catch_warnings():

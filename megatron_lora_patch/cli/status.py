@@ -28,7 +28,7 @@ def run_status(args: argparse.Namespace) -> int:
     """Validate every flag (a mistake: one line, exit 2), apply in this process, import the
     targets, and show per patch what this process got and what a fresh training process would
     (Megatron / torch import notices hidden unless `-v`)."""
-    with quiet.quiet(args.verbose):
+    with quiet.quiet(args.verbose, imports_torch=not args.no_import):
         return _status(args)
 
 
