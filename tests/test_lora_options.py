@@ -226,7 +226,8 @@ def test_other_rslora_rank_or_alpha_patterns_are_refused():
         "MEGATRON_LORA_ALPHA=8.0",
     )
     _refused({**config, "alpha_pattern": {"o_proj": 5}}, "lora_alpha=5", "MEGATRON_LORA_ALPHA_PATTERN")
-    _refused({**config, "rank_pattern": {}}, "r=4 for model.layers.0.mlp.down_proj", "rank 2")
+    # without the pattern the config's r no longer describes the rank-2 tensors: that mismatch is named (issue 26)
+    _refused({**config, "rank_pattern": {}}, "gives model.layers.0.mlp.down_proj r=4", "lora_A has rank 2")
     _refused({**config, "alpha_pattern": {**config["alpha_pattern"], "k_proj": 2}}, "lora_alpha", "fused Megatron")
     _refused({**config, "rank_pattern": {"down_proj": "2"}}, "rank_pattern must map module patterns to numbers")
     _refused({**config, "alpha_pattern": {"(": 2}}, "not a valid regex")
