@@ -12,30 +12,34 @@ from typing import Iterator
 
 #: Loggers whose import-time WARNINGs are noise for a CLI report (children inherit the level).
 NOISY_LOGGERS = ("torch", "megatron")
+#: This package's logger stays at WARNING: its INFO lines ("applied ...") would otherwise reach stdout once
+#: Megatron-LM's `training.py` is imported (it sets the root logger to INFO with a stdout handler), and
+#: break `status --json`.
+OWN_LOGGER = "megatron_lora_patch"
 
 
 @contextlib.contextmanager
 def quiet(verbose: bool, imports_torch: bool = True) -> Iterator[None]:
-    """Inside: warnings ignored and the NOISY_LOGGERS at ERROR, unless `verbose`; restored on exit.
+    """Inside: OWN_LOGGER at WARNING (the report says what was applied), and unless `verbose` warnings
+    ignored and the NOISY_LOGGERS at ERROR; restored on exit.
 
     Where the command imports torch anyway (`imports_torch`), torch is imported first: its import resets
     the "torch" logger's level, and the CPU notice of `torch.utils.cpp_extension` ("No CUDA runtime is
     found") comes later, when Megatron imports it."""
-    if verbose:
-        yield
-        return
-    if imports_torch:
+    if imports_torch and not verbose:
         import torch  # noqa: F401  (see the docstring: the level must be set after this import)
-    loggers = [logging.getLogger(name) for name in NOISY_LOGGERS]
-    levels = [logger.level for logger in loggers]
+    quieted = {OWN_LOGGER: logging.WARNING} | ({} if verbose else {name: logging.ERROR for name in NOISY_LOGGERS})
+    loggers = {logging.getLogger(name): level for name, level in quieted.items()}
+    saved = {logger: logger.level for logger in loggers}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for logger in loggers:
-            logger.setLevel(logging.ERROR)
+        if not verbose:
+            warnings.simplefilter("ignore")
+        for logger, level in loggers.items():
+            logger.setLevel(level)
         try:
             yield
         finally:
-            for logger, level in zip(loggers, levels):
+            for logger, level in saved.items():
                 logger.setLevel(level)
 
 
