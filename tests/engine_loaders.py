@@ -12,6 +12,13 @@ at inference; equal logits then prove the names, shapes and orientation the engi
   permuted to `(E, out, r)`).
 - Per-expert modules (`experts.<e>.gate_proj` / `up_proj` / `down_proj`, vLLM's 2D `pack_moe`):
   expert e's A `[r, in]` and B `[out, r]`, gate and up into the rows `[gate; up]` of `gate_up_proj[e]`.
+- PEFT's per-module r and alpha (`merge`): `rank_pattern` / `alpha_pattern` keys are regexes, the first
+  one matching the end of the module path at a name boundary wins (peft/utils/other.py `get_pattern_key`).
+- SGLang (`sglang_merge`; python/sglang/srt/lora/mem_pool.py `LoRAMemoryPool.load_lora_weight_to_buffer`,
+  sgl-project/sglang 00639c4d; lora.py `LoRAAdapter.scaling`): one `r` per adapter, every A copied into
+  the buffer rows `[:r]` and B into columns `[:r]` with the shape asserted equal; scaling `lora_alpha / r`
+  (no rsLoRA, no patterns); a routed expert is read per expert when `experts.<e>.` is in its name,
+  as 3D when its tensor is 3D, else as a plain module (peft's packed 2D wrappers: refused here).
 """
 
 from __future__ import annotations
@@ -34,8 +41,15 @@ def modules(tensors: dict) -> dict:
     return found
 
 
-def scaling(config: dict) -> float:
-    rank, alpha = config["r"], config["lora_alpha"]
+def _pattern(config: dict, field: str, module: str, default):
+    key = next((key for key in config.get(field) or {} if re.match(rf"(.*\.)?({key})$", module)), None)
+    return default if key is None else config[field][key]
+
+
+def scaling(config: dict, module: str = "") -> float:
+    """PEFT's scaling of `module`: its rank / alpha from the patterns, else `r` / `lora_alpha`."""
+    rank, alpha = _pattern(config, "rank_pattern", module, config["r"]), _pattern(
+        config, "alpha_pattern", module, config["lora_alpha"])
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
@@ -51,10 +65,10 @@ def _stack_3d(factors: dict, experts: int, expert_minor: bool = True) -> tuple:
 def merge(model, tensors: dict, config: dict, expert_minor: bool = True):
     """`model` with every payload module's `scaling * B @ A` added to its weights (in place; returned)."""
     params = dict(model.named_parameters())
-    scale = scaling(config)
     parsed = modules(tensors)
     with torch.no_grad():
         for module, factors in parsed.items():
+            scale = scaling(config, module)
             per_expert = _PER_EXPERT.match(module)
             if module.endswith(".experts.base_layer") or module.endswith(".experts"):
                 down = not module.endswith(".base_layer")
@@ -71,3 +85,28 @@ def merge(model, tensors: dict, config: dict, expert_minor: bool = True):
             else:
                 params[f"{module}.weight"] += scale * factors["B"] @ factors["A"]
     return model
+
+
+def _one_r_and_alpha(config: dict, engine: str) -> None:
+    for field in ("rank_pattern", "alpha_pattern"):
+        if config.get(field):
+            raise ValueError(f"{engine} reads one r and lora_alpha per adapter; it would ignore {field}")
+
+
+def vllm_merge(model, tensors: dict, config: dict, **reader):
+    """vLLM's reading (`PEFTHelper`: one r and alpha, rsLoRA honoured), then `merge`."""
+    _one_r_and_alpha(config, "vLLM")
+    return merge(model, tensors, config, **reader)
+
+
+def sglang_merge(model, tensors: dict, config: dict):
+    """SGLang's reading (module docstring): refuse what its memory pool would refuse or misread, then `merge`
+    with `lora_alpha / r`."""
+    _one_r_and_alpha(config, "SGLang")
+    for module, factors in modules(tensors).items():
+        if module.endswith((".experts", ".experts.base_layer")):
+            raise ValueError(f"{module}: packed 2D experts, neither per expert nor 3D; SGLang reads a plain module")
+        if factors["A"].shape[0] != config["r"] or factors["B"].shape[1] != config["r"]:
+            raise ValueError(f"{module}: LoRA buffer shape [:{config['r']}] does not match weight shapes "
+                             f"{tuple(factors['A'].shape)}, {tuple(factors['B'].shape)}")
+    return merge(model, tensors, {**config, "use_rslora": False})

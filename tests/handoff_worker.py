@@ -86,3 +86,35 @@ def state_world(rank: int, world: int, topology: str, spec, seed: int, directory
         base_bytes = sum(_bytes(p) for name, p in chunks[0].named_parameters() if ".lora." not in name)
         return {"config": state.config, "tensors": state.tensors, "calls": calls, "logits": logits,
                 "base_bytes": base_bytes, "units": units}
+
+
+def train_state_world(rank: int, world: int, topology: str, spec, environ: dict, steps: int, directory: str,
+                      family: str) -> dict:
+    """The LoRA configuration parsed from the `MEGATRON_LORA_*` variables `environ` (as at plugin activation), the
+    model with `hf_qwen2_moe`'s shared experts trained `steps` Adam steps (`resume_worker`'s loop); then its
+    `adapter_state`, an adapter-only checkpoint in `directory` and full-vocab logits."""
+    import hf_qwen2_moe
+    import resume_worker
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_lora_patch.handoff import adapter_state
+    from megatron_lora_patch.lora.checkpoints.checkpoint import save_adapters
+    from megatron_lora_patch.lora.config import LoraConfig
+    from megatron_lora_patch.proof.testbed import driver
+    from megatron_lora_patch.proof.testbed.models import build_model
+    from megatron_lora_patch.proof.testbed.topology import Topology
+
+    persistence_worker.setup(LoraConfig.from_env(environ), resume_worker.TRAINING_PATCHES)
+    parsed, settings = Topology.parse(topology), resume_worker.SETTINGS
+    with parsed.world(seed=settings.seed):
+        model = build_model(spec, parsed, seed=settings.seed, **hf_qwen2_moe.build_options(spec, settings.seed))
+        chunks = driver._wrap_like_get_model(model, settings)
+        optimizer = driver._build_optimizer(chunks, settings)
+        chunks[0].config.grad_scale_func = optimizer.scale_loss
+        chunks[0].config.finalize_model_grads_func = finalize_model_grads
+        for step in range(steps):
+            resume_worker._train_step(chunks, optimizer, spec, step)
+        state = adapter_state(chunks, family)
+        save_adapters(chunks, directory)
+        return {"config": state.config, "tensors": state.tensors,
+                "logits": persistence_worker.full_logits(chunks[0].module, spec)}

@@ -4,25 +4,37 @@
   load_lora_adapter_from_tensors(lora_name, tensors, config_dict, load_format=None)`
   (python/sglang/srt/entrypoints/engine.py): the engine serializes `tensors` per TP rank itself
   (`MultiprocessingSerializer`) into a `LoadLoRAAdapterFromTensorsReqInput`. Tensors keep PEFT names
-  and orientation (A `[r, in]`, B `[out, r]`); the engine slices them for its own TP.
+  and orientation (A `[r, in]`, B `[out, r]`); the engine slices them for its own TP. Its memory pool
+  (python/sglang/srt/lora/mem_pool.py, `LoRAMemoryPool.load_lora_weight_to_buffer`) reads routed experts
+  per expert (`experts.<e>.` in the name, 2D) or as 3D tensors, never peft's packed 2D `target_parameters`
+  wrappers (refused: convert to `per_expert` first); it copies every module into `[:config.r]` rows and
+  asserts the shape, and scales by `lora_alpha / r` (`LoRAAdapter.scaling`, no rsLoRA, no patterns).
 - vLLM: `vllm_payload(state, name, lora_id)` are the fields RL frameworks put on a `LoRARequest`
   subclass carrying tensors (verl's `TensorLoRARequest`: `peft_config`, `lora_tensors`), which their
   patched loader hands to `LoRAModel.from_lora_tensors(lora_model_id, tensors, peft_helper=
   PEFTHelper.from_dict(peft_config), ...)` (vllm/lora/lora_model.py, vllm/lora/peft_helper.py).
-  Refused in one line, as vLLM refuses or ignores them: `modules_to_save` (`PEFTHelper._validate_features`),
-  per-module `rank_pattern` / `alpha_pattern` (PEFTHelper has one r and alpha), and a 3D-MoE layer
-  with only one of gate_up / down adapted (`_stack_moe_lora_weights` asserts both).
+  Refused in one line, as vLLM refuses them: `modules_to_save` (`PEFTHelper._validate_features`) and a
+  3D-MoE layer with only one of gate_up / down adapted (`_stack_moe_lora_weights` asserts both).
+
+Per-module ranks and alphas (`rank_pattern` / `alpha_pattern`, which both engines ignore: one r and alpha
+per adapter) reach them through `one_rank`: every module padded with zeros to the largest rank and its own
+scaling folded into its lora_B, so the engine's single `lora_alpha / r` gives each module its delta.
 
 docs/handoff.md section 3.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Dict
 
+import torch
+
 from megatron_lora_patch.handoff.state import AdapterState
-from megatron_lora_patch.lora.exchange.names import PeftFormatError
+from megatron_lora_patch.lora.config_rules import scaling
+from megatron_lora_patch.lora.exchange.checks import peft_pattern_value
+from megatron_lora_patch.lora.exchange.names import PEFT_PREFIX, PeftFormatError
 
 _EXPERTS = re.compile(r"^(.+\.mlp\.experts)(\.base_layer)?\.lora_A\.weight$")
 
@@ -38,8 +50,43 @@ def _tensors(state: AdapterState) -> Dict[str, Any]:
     return dict(state.tensors)
 
 
+def _patterned(config: dict) -> bool:
+    return bool(config.get("rank_pattern") or config.get("alpha_pattern"))
+
+
+def one_rank(state: AdapterState) -> AdapterState:
+    """`state` at one r and scaling for engines that read one `r` and `lora_alpha` per adapter: each module's A
+    padded with zero rows and B with zero columns to the largest rank, B times the module's own scaling; then
+    `r` = `lora_alpha` = that rank (scaling 1), no patterns, no rsLoRA. Each delta `B @ A` is unchanged."""
+    config, suffix = state.config, ".lora_A.weight"
+    if any(_EXPERTS.match(key) for key in state.tensors):
+        raise EngineError("rank_pattern / alpha_pattern on peft's packed experts cannot be folded per expert here; "
+                          "pass handoff.convert(state, 'per_expert')")
+    paths = [key[len(PEFT_PREFIX) : -len(suffix)] for key in state.tensors if key.endswith(suffix)]
+    ranks = {path: int(peft_pattern_value(config.get("rank_pattern") or {}, path, config["r"])) for path in paths}
+    top = max(ranks.values())
+    tensors = dict(state.tensors)
+    for path, rank in ranks.items():
+        lora_a, lora_b = (state.tensors[f"{PEFT_PREFIX}{path}.lora_{factor}.weight"] for factor in "AB")
+        if lora_a.shape[0] != rank:
+            raise EngineError(f"the config's rank_pattern gives {path} r={rank} but its lora_A has rank "
+                              f"{lora_a.shape[0]}; export the adapter again")
+        alpha = peft_pattern_value(config.get("alpha_pattern") or {}, path, config["lora_alpha"])
+        scaled = lora_b * scaling(alpha, rank, bool(config.get("use_rslora")))
+        tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"] = torch.nn.functional.pad(lora_a, (0, 0, 0, top - rank))
+        tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = torch.nn.functional.pad(scaled, (0, top - rank))
+    flat = {**config, "r": top, "lora_alpha": float(top), "rank_pattern": {}, "alpha_pattern": {}, "use_rslora": False}
+    return dataclasses.replace(state, config=flat, tensors=tensors)
+
+
 def sglang_payload(state: AdapterState, lora_name: str) -> Dict[str, Any]:
     """Keyword arguments of SGLang's `Engine.load_lora_adapter_from_tensors` for `state` on rank `dst`."""
+    _tensors(state)
+    if state.config.get("target_parameters"):
+        raise EngineError("SGLang reads routed experts per expert (`experts.<e>.` names) or as 3D tensors, not peft's "
+                          "packed target_parameters wrappers; pass handoff.convert(state, 'per_expert')")
+    if _patterned(state.config) or state.config.get("use_rslora"):
+        state = one_rank(state)
     return {"lora_name": lora_name, "tensors": _tensors(state), "config_dict": dict(state.config)}
 
 
@@ -48,10 +95,6 @@ def _check_vllm(state: AdapterState) -> None:
     if config.get("modules_to_save"):
         raise EngineError(f"vLLM loads no modules_to_save ({config['modules_to_save']}); train without "
                           "MEGATRON_LORA_MODULES_TO_SAVE or roll out with SGLang / merged weights")
-    for field in ("rank_pattern", "alpha_pattern"):
-        if config.get(field):
-            raise EngineError(f"vLLM's PEFTHelper has one r and lora_alpha, {field}={config[field]} would be ignored; "
-                              f"train without MEGATRON_LORA_{field.upper()}")
     wrappers: Dict[str, set] = {}
     for key in state.tensors:
         match = _EXPERTS.match(key)
@@ -67,7 +110,10 @@ def vllm_payload(state: AdapterState, lora_name: str, lora_int_id: int) -> Dict[
     """Fields of a tensor-carrying vLLM `LoRARequest` (verl's `TensorLoRARequest`) for `state`."""
     if lora_int_id < 1:
         raise EngineError(f"vLLM LoRA ids start at 1 (LoRAModel asserts id > 0), got {lora_int_id}")
-    tensors = _tensors(state)
+    _tensors(state)
     _check_vllm(state)
+    if _patterned(state.config):
+        state = one_rank(state)
+    tensors = _tensors(state)
     return {"lora_name": lora_name, "lora_int_id": lora_int_id, "lora_path": lora_name,
             "peft_config": dict(state.config), "lora_tensors": tensors}

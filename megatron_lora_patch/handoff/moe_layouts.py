@@ -29,6 +29,7 @@ from megatron_lora_patch.handoff.state import AdapterState
 from megatron_lora_patch.lora.adapters.layouts import fc1_to_gate_up
 from megatron_lora_patch.lora.exchange.checks import peft_pattern_value
 from megatron_lora_patch.lora.exchange.names import PEFT_PREFIX, PeftFormatError
+from megatron_lora_patch.lora.exchange.peft import pattern_keys
 
 #: family -> (experts module, gate, up, down) of the per-expert layout (transformers 4 names).
 PER_EXPERT_NAMES: Dict[str, Tuple[str, str, str, str]] = {
@@ -86,18 +87,22 @@ def _per_expert(path: str, names: tuple, parameter: str, lora_a, lora_b, rank: i
     return out
 
 
-def _renamed_patterns(config: dict, names: tuple) -> dict:
-    """rank_pattern / alpha_pattern with the 3D parameter keys turned into the per-expert projections."""
-    _, gate, up, down = names
-    by_parameter = {"gate_up_proj": (gate, up), "down_proj": (down,)}
+def _patterns(config: dict, tensors: Dict[str, torch.Tensor], names: tuple) -> dict:
+    """rank_pattern / alpha_pattern of the converted modules: each module's value is the packed config's for
+    the parameter it came from (gate / up: `gate_up_proj`, down: `down_proj`), keyed again by `pattern_keys`
+    (a key that would also match the shared experts' or attention's projections is lengthened)."""
+    experts, _, _, down = names
+    per_expert = re.compile(rf"^(?P<layer>.+\.layers\.\d+)\.{re.escape(experts)}\.\d+\.(?P<projection>[^.]+)$")
+    paths = [key[len(PEFT_PREFIX) : -len(".lora_A.weight")] for key in tensors if key.endswith(".lora_A.weight")]
     fields = {}
-    for field in ("rank_pattern", "alpha_pattern"):
-        pattern: Dict[str, object] = {}
-        for key, value in (config.get(field) or {}).items():
-            if ".experts." in key:
-                raise LayoutError(f"{field} key {key!r} names one layer's experts; per_expert takes per-kind keys only")
-            pattern.update({name: value for name in by_parameter.get(key, (key,))})
-        fields[field] = pattern
+    for field, default in (("rank_pattern", config["r"]), ("alpha_pattern", config["lora_alpha"])):
+        values = {}
+        for path in paths:
+            match = per_expert.match(path)
+            parameter = match and ("down_proj" if match.group("projection") == down else "gate_up_proj")
+            source = f"{match.group('layer')}.mlp.experts.{parameter}" if match else path
+            values[path] = peft_pattern_value(config.get(field) or {}, source, default)
+        fields[field] = pattern_keys(values, default)
     return fields
 
 
@@ -122,7 +127,7 @@ def convert(state: AdapterState, layout: str = "peft") -> AdapterState:
         rank = int(peft_pattern_value(state.config.get("rank_pattern") or {}, hf_path, state.config["r"]))
         lora_b = state.tensors[key[: -len("lora_A.weight")] + "lora_B.weight"]
         tensors.update(_per_expert(layer, names, parameter, state.tensors[key], lora_b, rank))
-    config = {**state.config, **_renamed_patterns(state.config, names)}
+    config = {**state.config, **_patterns(state.config, tensors, names)}
     config.pop("target_parameters")
     config["target_modules"] = sorted(set(config["target_modules"]) | set(names[1:]))
     return dataclasses.replace(state, config=config, tensors=dict(sorted(tensors.items())))

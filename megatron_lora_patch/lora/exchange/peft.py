@@ -15,8 +15,10 @@ onto this rank's adapters (any topology). Conversion, per transformer layer i
 With `separate_projections` each projection gets its own A rows and B block (lora/adapters/projections.py).
 PEFT's scaling `lora_alpha / r` (`lora_alpha / sqrt(r)` with `use_rslora`) is the adapter's
 `s`; per-module ranks and alphas travel as PEFT's `rank_pattern` / `alpha_pattern` (keys are
-regexes matched against the end of a module path, the first matching key wins): export writes a
-projection name (`gate_proj`) when every layer shares the value, else full module paths.
+regexes matched against the end of a module path, the first matching key wins): export writes for each
+differing path the shortest key all the paths it matches agree on (`pattern_keys`): a projection name
+(`gate_proj`), a longer suffix where kinds share a name (`experts.down_proj`, `shared_expert.down_proj`),
+or the full path where layers differ.
 Import refuses, naming the module, what the model's adapters cannot express (different A's
 on a shared-A fused layer, other shapes, missing or unknown modules, another r, alpha or rsLoRA, DoRA, biases).
 `adapter_config.json` holds only PEFT's own fields (peft warns about any other key); this
@@ -110,8 +112,8 @@ def to_peft(
         "task_type": "CAUSAL_LM",
         "r": settings.rank,
         "lora_alpha": settings.alpha,
-        "rank_pattern": _pattern_keys(ranks, settings.rank),
-        "alpha_pattern": _pattern_keys(alphas, settings.alpha),
+        "rank_pattern": pattern_keys(ranks, settings.rank),
+        "alpha_pattern": pattern_keys(alphas, settings.alpha),
         "lora_dropout": 0.0,
         "target_modules": targets,
         "bias": "none",
@@ -147,29 +149,33 @@ def _dense_to_peft(
     every_layer = set(range(description["num_layers"]))
     # Short names adapt every layer in PEFT; list full paths when some layers have no adapter.
     complete = all(layers == every_layer for layers in layer_modules.values())
-    return sorted({_short(path) for path in ranks} if complete else set(ranks))
+    return sorted({path.rsplit(".", 1)[-1] for path in ranks} if complete else set(ranks))
 
 
-def _short(path: str) -> str:
-    return path.rsplit(".", 1)[-1]
+def _key_candidates(path: str) -> List[str]:
+    """PEFT pattern keys that match `path`, shortest first: the dotted suffixes inside its layer (an expert
+    index generalized to `\\d+`, never leading), then the full path."""
+    parts = path.split(".")
+    first = next((i for i, part in enumerate(parts) if part.isdigit()), -1)  # the layer index
+    inner = [r"\d+" if part.isdigit() else part for part in parts[first + 1 :]]
+    suffixes = [".".join(inner[i:]) for i in range(len(inner) - 1, -1, -1) if inner[i] != r"\d+"]
+    return suffixes + [path]
 
 
-def _pattern_keys(values: Dict[str, Any], default: Any) -> Dict[str, Any]:
-    """PEFT pattern keys for the module paths whose value differs from `default`: the projection
-    name when all its paths share one value, else each differing path in full."""
-    by_projection: Dict[str, List[str]] = {}
-    for path in values:
-        by_projection.setdefault(_short(path), []).append(path)
+def pattern_keys(values: Dict[str, Any], default: Any) -> Dict[str, Any]:
+    """PEFT pattern keys for the module paths whose value differs from `default`: for each, the shortest key
+    (`_key_candidates`) that every path it matches agrees on, so the first matching key is right whatever
+    the order (`down_proj` when all share it; `experts.down_proj` / `shared_expert.down_proj` when routed
+    and shared experts differ; the full path when layers differ)."""
+    seen: Dict[str, set] = {}
+    for path, value in values.items():
+        for key in _key_candidates(path):
+            seen.setdefault(key, set()).add(value)
     pattern: Dict[str, Any] = {}
-    for projection, paths in sorted(by_projection.items()):
-        distinct = {values[path] for path in paths}
-        if distinct == {default}:
-            continue
-        if len(distinct) == 1:
-            pattern[projection] = distinct.pop()
-        else:
-            pattern.update({path: values[path] for path in sorted(paths) if values[path] != default})
-    return pattern
+    for path, value in values.items():
+        if value != default:
+            pattern[next(key for key in _key_candidates(path) if len(seen[key]) == 1)] = value
+    return dict(sorted(pattern.items()))
 
 
 def from_peft(
