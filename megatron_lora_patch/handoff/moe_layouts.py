@@ -10,7 +10,10 @@ wrapper per layer and parameter: `mlp.experts[.base_layer].lora_A.weight [E*r, i
 - `"per_expert"`: one LoRA module per expert and projection, as transformers 4 MoE models had them
   (`mlp.experts.<e>.gate_proj` / `up_proj` / `down_proj`; Mixtral `block_sparse_moe.experts.<e>.w1` /
   `w3` / `w2`): expert e's A rows and B columns, gate_up's B rows `[gate; up]` split and its one A copied
-  to both. What vLLM's 2D `FusedMoEWithLoRA` packs per expert (`PackedLoRALayerWeights.pack_moe`).
+  to both. What vLLM's 2D `FusedMoEWithLoRA` packs per expert (`PackedLoRALayerWeights.pack_moe`), and the
+  only layout of ours SGLang reads (`LoRAMemoryPool.load_lora_weight_to_buffer`: `experts.<e>.` in a name
+  selects the per-expert buffer; peft's packed 2D wrappers match neither that nor its 3D branch).
+  rank_pattern / alpha_pattern are re-keyed for the new module paths (`pattern_keys`).
 - `"shared_outer"` (SGLang `--experts-shared-outer-loras`: one gate_up lora_A and one down lora_B for
   all experts of a layer) is refused: Megatron trains every expert's A and B, which it cannot hold.
 
@@ -40,7 +43,8 @@ PER_EXPERT_NAMES: Dict[str, Tuple[str, str, str, str]] = {
 #: layout -> the loaders known to read it (docs/handoff.md section 4 cites their source).
 LOADERS = {
     "peft": "peft >= 0.18 on transformers >= 5, vLLM 3D-MoE LoRA (LoRAModelManager._stack_moe_lora_weights)",
-    "per_expert": "vLLM 2D MoE LoRA (FusedMoEWithLoRA, pack_moe), peft on transformers 4 MoE models",
+    "per_expert": "SGLang (LoRAMemoryPool.load_lora_weight_to_buffer), vLLM 2D MoE LoRA (FusedMoEWithLoRA, "
+                  "pack_moe), peft on transformers 4 MoE models",
 }
 _PACKED = re.compile(r"^(?P<layer>.+\.layers\.\d+)\.mlp\.experts(?P<base>\.base_layer)?\.lora_(?P<f>[AB])\.weight$")
 
