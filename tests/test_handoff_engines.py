@@ -6,7 +6,9 @@ A TP2 dense model (Llama) and an EP2 MoE model (Qwen3-MoE, experts as peft `targ
 (`handoff.convert`) are merged into the `transformers` model by `engine_loaders`, a
 reader written from each engine's loader source (names, shapes, orientation, scaling). Logits must equal
 Megatron's (fp32, 1e-5 of the largest logit). Negative controls > 100x off: vLLM's 3D expert B read
-expert-major instead of expert-minor; the dense adapter scaled as rsLoRA. Refusals are one line each.
+expert-major instead of expert-minor; the dense adapter scaled as rsLoRA. SGLang has no rsLoRA: an rsLoRA
+state's payload (scaling folded into B, `engines.one_rank`) read as SGLang equals PEFT's reading of the state.
+Refusals are one line each.
 """
 
 from __future__ import annotations
@@ -48,11 +50,14 @@ def _hf(handed):
     return build(handed["spec"], DEFAULT_SEED)
 
 
-def _error(handed, tensors: dict, config: dict, read=engine_loaders.merge, **reader) -> float:
+def _logits(handed, tensors: dict, config: dict, read=engine_loaders.merge, **reader) -> torch.Tensor:
     model = read(_hf(handed), tensors, config, **reader)
     with torch.no_grad():
-        logits = model(persistence_worker.batch(handed["spec"])[0]).logits
-    return max_abs_error_over_max(logits, handed["logits"])
+        return model(persistence_worker.batch(handed["spec"])[0]).logits
+
+
+def _error(handed, tensors: dict, config: dict, read=engine_loaders.merge, **reader) -> float:
+    return max_abs_error_over_max(_logits(handed, tensors, config, read, **reader), handed["logits"])
 
 
 def test_vllm_payload_read_as_vllm_gives_megatron_logits(handed):
@@ -79,6 +84,14 @@ def test_sglang_payload_read_as_sglang_gives_megatron_logits(handed):
     error = _error(handed, payload["tensors"], payload["config_dict"], engine_loaders.sglang_merge)
     print(f"SGLang reader ({state.family}): {error:.3e}")
     assert error <= LOGITS_TOLERANCE
+    rslora = dataclasses.replace(state, config={**state.config, "use_rslora": True})  # SGLang has no rsLoRA: folded
+    folded = handoff.sglang_payload(rslora, "policy")
+    assert not folded["config_dict"]["use_rslora"]
+    peft_reading = _logits(handed, rslora.tensors, rslora.config)
+    error = max_abs_error_over_max(_logits(handed, folded["tensors"], folded["config_dict"],
+                                           engine_loaders.sglang_merge), peft_reading)
+    print(f"SGLang reader, rsLoRA folded into B, vs PEFT's reading: {error:.3e}")
+    assert error <= LOGITS_TOLERANCE < 100 * LOGITS_TOLERANCE < max_abs_error_over_max(peft_reading, handed["logits"])
 
 
 def test_per_expert_layout_gives_megatron_logits(handed):
