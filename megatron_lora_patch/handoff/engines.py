@@ -16,9 +16,10 @@
   Refused in one line, as vLLM refuses them: `modules_to_save` (`PEFTHelper._validate_features`) and a
   3D-MoE layer with only one of gate_up / down adapted (`_stack_moe_lora_weights` asserts both).
 
-Per-module ranks and alphas (`rank_pattern` / `alpha_pattern`, which both engines ignore: one r and alpha
-per adapter) reach them through `one_rank`: every module padded with zeros to the largest rank and its own
-scaling folded into its lora_B, so the engine's single `lora_alpha / r` gives each module its delta.
+Per-module ranks and alphas (`rank_pattern` / `alpha_pattern`: SGLang and vLLM 0214369's PEFTHelper read one
+r and alpha per adapter; a later PEFTHelper's `get_rank_and_scaling` reads the patterns) reach them through
+`one_rank`: every module padded with zeros to the largest rank and its own scaling folded into its lora_B,
+so a single `lora_alpha / r` gives each module its delta, whichever reading the engine has.
 
 docs/handoff.md section 3.
 """
