@@ -43,24 +43,19 @@ def _chain(total: Optional[torch.Tensor], product: torch.Tensor, dtype: torch.dt
     return product.to(dtype) if total is None else total.add_(product)
 
 
-def _segment_trees(segments, terms) -> List[Optional[TreeSum]]:
-    """One `TreeSum` per term, over the segments: a segment's value of term `t` is the chained sum over
-    its chunks of `terms[t](start, stop)` (None: that term is not needed)."""
-    trees: List[Optional[TreeSum]] = [None if term is None else TreeSum() for term in terms]
-    for segment in segments:
-        totals: List[Optional[torch.Tensor]] = [None] * len(terms)
-        for start, stop in segment:
-            for index, term in enumerate(terms):
-                if term is not None:
-                    totals[index] = term(start, stop, totals[index])
-        for tree, total in zip(trees, totals):
-            if tree is not None:
-                tree.add(total)
-    return trees
+def _trees(*needed: bool) -> List[Optional[TreeSum]]:
+    return [TreeSum() if need else None for need in needed]
+
+
+def _add(trees: List[Optional[TreeSum]], totals: list) -> None:
+    """One segment's value of each needed term into its tree."""
+    for tree, total in zip(trees, totals):
+        if tree is not None:
+            tree.add(total)
 
 
 def _finish(trees: List[Optional[TreeSum]], group: Any) -> List[Optional[torch.Tensor]]:
-    """Every needed tree finished over TP (ONE all-gather for all of them)."""
+    """Every tree (None: not needed) finished over TP, with ONE all-gather for all of them."""
     partials = [tree.result() for tree in trees if tree is not None]
     full = iter(tree_all_gather(partials, group) if partials else [])
     return [None if tree is None else next(full) for tree in trees]
@@ -99,37 +94,30 @@ class _ColumnLinear(torch.autograd.Function):
         grad_weight = torch.empty_like(weight) if needs[1] else None
         grad_bias = grad.new_empty(weight.shape[0]) if needs[2] else None
         grad_b = torch.empty_like(lora_b) if needs[4] else None
-        chunk_grads = {}
-
-        def chunk_grad(start, stop):  # dY_c, contiguous; the local grads of this chunk on first use
-            if start not in chunk_grads:
-                chunk_grads.clear()
-                part = chunk_grads[start] = grad[:, start:stop].contiguous()
+        trees = _trees(needs[0], lora)  # over out: dY W, dY B
+        for segment in ctx.segments:
+            totals = [None, None]
+            for start, stop in segment:
+                part = grad[:, start:stop].contiguous()  # dY_c
+                if needs[0]:
+                    totals[0] = _chain(totals[0], torch.mm(part, weight[start:stop]), dtype)
+                if lora:
+                    totals[1] = _chain(totals[1], torch.mm(part, lora_b[start:stop]), dtype)
                 if grad_weight is not None:
                     torch.mm(part.t(), x, out=grad_weight[start:stop])
                 if grad_bias is not None:
                     grad_bias[start:stop] = part.sum(dim=0)
                 if grad_b is not None:
                     grad_b[start:stop] = torch.mm(hidden.t(), part).mul_(scale).t()
-            return chunk_grads[start]
-
-        base_term = (lambda start, stop, total: _chain(total, torch.mm(chunk_grad(start, stop), weight[start:stop]),
-                                                         dtype)) if needs[0] else None
-        lora_term = (lambda start, stop, total: _chain(total, torch.mm(chunk_grad(start, stop), lora_b[start:stop]),
-                                                         dtype)) if lora else None
-        if not (needs[0] or lora):  # only local grads asked for: no tree, no collective
-            for segment in ctx.segments:
-                for start, stop in segment:
-                    chunk_grad(start, stop)
-        base, lora_sum = _finish(_segment_trees(ctx.segments, [base_term, lora_term]), ctx.group)
-        grad_x = grad_a = None
+            _add(trees, totals)
+        base, hidden_grad = _finish(trees, ctx.group)
+        grad_a = None
         if lora:
-            grad_hidden = lora_sum.mul_(scale).to(x.dtype)
-            grad_a = torch.mm(grad_hidden.t(), x) if needs[3] else None
+            hidden_grad = hidden_grad.mul_(scale).to(x.dtype)
+            grad_a = torch.mm(hidden_grad.t(), x) if needs[3] else None
             if needs[0]:
-                base.add_(torch.mm(grad_hidden, lora_a))
-        if needs[0]:
-            grad_x = base.to(x.dtype)
+                base.add_(torch.mm(hidden_grad, lora_a))
+        grad_x = base.to(x.dtype) if needs[0] else None
         return grad_x, grad_weight, grad_bias, grad_a, grad_b, None, None
 
 
@@ -140,18 +128,16 @@ class _RowLinear(torch.autograd.Function):
         dtype = accumulation_dtype(x.dtype)
         ctx.chunks = local_chunks(x.shape[1] * world, 1, world)
         ctx.scale = scale
-        segments = local_segments(x.shape[1] * world, 1, world)
-
-        def base_term(start, stop, total):
-            return _chain(total, torch.mm(x[:, start:stop].contiguous(), weight[:, start:stop].contiguous().t()),
-                          dtype)
-
-        def lora_term(start, stop, total):
-            return _chain(total, torch.mm(x[:, start:stop].contiguous(), lora_a[:, start:stop].contiguous().t()),
-                          dtype)
-
-        terms = [base_term, None if lora_a is None else lora_term]
-        output, hidden = _finish(_segment_trees(segments, terms), group)
+        trees = _trees(True, lora_a is not None)  # over in: x W^T, x A^T
+        for segment in local_segments(x.shape[1] * world, 1, world):
+            totals = [None, None]
+            for start, stop in segment:
+                part = x[:, start:stop].contiguous()  # x_c
+                totals[0] = _chain(totals[0], torch.mm(part, weight[:, start:stop].contiguous().t()), dtype)
+                if lora_a is not None:
+                    totals[1] = _chain(totals[1], torch.mm(part, lora_a[:, start:stop].contiguous().t()), dtype)
+            _add(trees, totals)
+        output, hidden = _finish(trees, group)
         if hidden is not None:
             hidden = hidden.to(x.dtype)
             output.add_(torch.mm(hidden, lora_b.t()), alpha=scale)
