@@ -20,8 +20,9 @@ from megatron_lora_patch.proof.testbed.launcher import run_world
 
 SCALE = 0.7
 TOKENS, RANK = 6, 3
-#: (layer, stride, in, out): in = 2560 cuts K into 8 segments of 320 columns (chunks of 256 + 64).
-CASES = [("column", 1, 2560, 64), ("column", 2, 96, 1024), ("row", 1, 2560, 48)]
+#: (layer, stride, in, out): 10240 cuts the sharded dimension into 8 segments of 1280 columns (chunks
+#: of 1024 + 256); SwiGLU's stride 2 chains the gate and up chunks of each segment.
+CASES = [("column", 1, 40, 10240), ("column", 2, 96, 1024), ("row", 1, 10240, 48)]
 NAMES = ("x", "weight", "bias", "lora_a", "lora_b")
 
 

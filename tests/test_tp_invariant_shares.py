@@ -25,7 +25,7 @@ from megatron_lora_patch.lora.adapters.layouts import shard
 from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
 from megatron_lora_patch.tp_invariant.shares import CHUNK_COLUMNS, SEGMENTS, TreeSum, local_chunks, local_segments
 
-WIDTHS = [(64, 1), (128, 2), (1024, 1), (4096, 2), (5120, 1), (50304, 1), (24, 1), (2560, 1)]
+WIDTHS = [(64, 1), (128, 2), (1024, 1), (4096, 2), (5120, 1), (50304, 1), (24, 1), (10240, 1)]
 WORLDS = [1, 2, 4, 8]
 
 

@@ -29,9 +29,10 @@ from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
 
 #: Segments per stride part: Megatron's shard boundaries at TP 1, 2, 4 and 8 fall on segment edges.
 SEGMENTS = 8
-#: Widest chunk one GEMM covers (wide enough to run at full GEMM speed, narrow enough to
-#: split a segment of a real model into several).
-CHUNK_COLUMNS = 256
+#: Widest chunk one GEMM covers: a contraction this long keeps a GEMM compute-bound and the
+#: chained adds of a segment few; the row layer's contiguous copy of one weight chunk, `[out, 1024]`,
+#: bounds its scratch.
+CHUNK_COLUMNS = 1024
 
 Chunks = Tuple[Tuple[int, int], ...]
 
