@@ -12,10 +12,9 @@ CROSS_ENTROPY_MODULE = "megatron.core.tensor_parallel.cross_entropy"
 
 
 def patch_layers(patcher, layers) -> None:
-    """Column / row parallel linears as full world-size-1 GEMMs with the LoRA branch at full width."""
+    """Column / row parallel linears on their local shards, each sum over a sharded dimension in one canonical tree."""
     from megatron_lora_patch.lora.training import grad_sync
     from megatron_lora_patch.runtime.registry import SkipPatch
-    from megatron_lora_patch.tp_invariant import cache
     from megatron_lora_patch.tp_invariant.linear import column_forward_impl, row_forward_impl
 
     for layer_class in (layers.ColumnParallelLinear, layers.RowParallelLinear):
@@ -25,11 +24,10 @@ def patch_layers(patcher, layers) -> None:
             )
     patcher.wrap(layers.ColumnParallelLinear, "_forward_impl", column_forward_impl)
     patcher.wrap(layers.RowParallelLinear, "_forward_impl", row_forward_impl)
-    # Their LoRA branch runs at full width on every TP rank: dense replicated factors' grads are
-    # already complete there, and the finalize SUM would multiply them by the TP size.
+    # Their replicated LoRA factors get complete grads on every TP rank (the tree combine over TP
+    # runs inside the layer), and the finalize SUM would multiply them by the TP size.
     previous = grad_sync.set_complete_domains({"tp"})
     patcher.on_revert(lambda: grad_sync.set_complete_domains(previous))
-    patcher.on_revert(cache.clear)  # the gathered weights belong to the mode that is being turned off
 
 
 def _mark_gated_fc1(wrapped, instance, args, kwargs):
@@ -63,20 +61,13 @@ def patch_language_module(patcher, language_module) -> None:
     patcher.wrap(language_module, "fused_vocab_parallel_cross_entropy", fused_vocab_parallel_cross_entropy)
 
 
-#: The optimizer classes whose `step_with_ready_grads` writes the params (the chained one calls the others).
-STEPPING_OPTIMIZERS = ("MixedPrecisionOptimizer", "FP32Optimizer", "ChainedOptimizer")
-
-
 def patch_optimizer(patcher, optimizer) -> None:
-    """The grad norm (and clipping) of the logical grads in float64; after each param update the
-    cached full LoRA factors are gathered again (`tp_invariant.cache`)."""
-    from megatron_lora_patch.tp_invariant import cache, grad_norm
+    """The grad norm (and clipping) of the logical grads in float64."""
+    from megatron_lora_patch.tp_invariant import grad_norm
 
     patcher.wrap(optimizer.MegatronOptimizer, "get_grad_norm", grad_norm.get_grad_norm)
     patcher.wrap(optimizer.MegatronOptimizer, "clip_grad_norm", grad_norm.clip_grad_norm)
     patcher.wrap(optimizer.ChainedOptimizer, "get_grad_norm", grad_norm.chained_get_grad_norm)
-    for name in STEPPING_OPTIMIZERS:
-        patcher.wrap(getattr(optimizer, name), "step_with_ready_grads", cache.optimizer_stepped)
 
 
 _STATE = {"active": False}

@@ -1,16 +1,21 @@
 """TP-invariant mode: the same bits for TP = 1, 2, 4 (docs/architecture.md section 7).
 
-Plain modules, installed by the `tp_invariant` patch:
-- `collectives`: gather-to-logical / local-slice autograd duals and an exact row reduction;
-- `linear`: column- and row-parallel linears (base + LoRA) as full, world-size-1 GEMMs;
+Plain modules, installed by the `layout_invariant` patch (formerly `tp_invariant`; its hooks are
+`megatron_lora_patch.integrations.layout_invariant`):
+- `shares`: the fixed partition of a sharded dimension (segments, chunks) and the canonical tree;
+- `collectives`: the tree combine over TP (an all-gather of partial sums) and the activation gather;
+- `segmented`: column- and row-parallel linears (base + LoRA) on the local weight shards;
+- `linear`: their wrappers of Megatron's `_forward_impl`;
 - `loss`: vocab-parallel cross entropy on the gathered logits;
-- `grad_norm`: the grad norm of the logical (gathered) grads in float64;
-- `hooks`: what the patch installs on each Megatron-Core target.
+- `grad_norm`: the grad norm of the logical (gathered) grads in float64.
 
 Why it works: on CPU as on GPU, what changes bits across TP degrees is a reduction split
 into per-rank partial sums (row-parallel outputs, column-parallel input grads, replicated
-LoRA factor grads, vocab sums, grad-norm squares). Here every such reduction runs once,
-over the full operand, in the world-size-1 order, on every rank; TP = 1 runs the same code.
+LoRA factor grads, vocab sums, grad-norm squares), and GEMM shapes that change with the TP
+degree. Here every sum over a sharded dimension is formed in one canonical order fixed by
+the width alone (chained inside a segment, a binary tree over the segments whose TP splits
+are subtrees), every GEMM has a shape fixed by the width alone, and the vocab and norm sums
+run over the gathered operand; TP = 1 runs the same code. No rank holds a full base weight.
 """
 
 

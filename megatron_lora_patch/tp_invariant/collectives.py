@@ -1,30 +1,30 @@
-"""The collectives of the TP-invariant mode.
+"""The collectives of the TP-invariant mode (docs/architecture.md section 7).
 
-In this mode every rank holds the world-size-1 value of every tensor that a TP reduction
-would otherwise produce from partial sums (computed whole, or assembled exactly from
-shares: `tp_invariant.shares`). Consequently the gradient of such a tensor is complete
-and identical on every rank, which fixes the backward of each collective:
-
-- `gather_logical(t, dim, stride, group, full=None)`: forward all-gathers the shards and lays
-  them out as the world-size-1 tensor (`stride=2`: a SwiGLU fc1 whose shards are
-  `[gate_r; up_r]`), or returns `full`, that tensor gathered earlier (`tp_invariant.cache`);
+- `tree_all_gather(partials, group)`: finishes the canonical segment tree (`tp_invariant.shares`)
+  over TP: every rank holds its subtree's partial sums (activation-sized: a row layer's output
+  and LoRA hidden, a column layer's input grad and LoRA hidden grad); ONE all-gather of them
+  (flattened together) and the tree over the ranks' partials in rank order gives every rank the
+  TP = 1 sums, bit for bit. It replaces a reduce, whose order would depend on the TP degree.
+- `gather_logical(t, dim, stride, group)`: forward all-gathers the shards of an activation and
+  lays them out as the world-size-1 tensor (the vocab-parallel logits, `tp_invariant.loss`);
   backward keeps this rank's slice of the (complete) gradient. No reduction: summing the
   identical copies would multiply the grad by the TP size.
-- `all_gather_logical(t, dim, stride, group)`: the plain gather, also used on the column
-  output grad (`tp_invariant.shares`), whose backward needs the complete grad.
+- `all_gather_logical(t, dim, stride, group)`: the plain gather.
 
-At world size 1 both are identities (the tensor itself is returned, outside autograd
-functions, so later in-place ops on it stay legal).
+At world size 1 all are identities (the tensor itself is returned, outside autograd functions,
+so later in-place ops on it stay legal). None of them is ever applied to a base weight: no rank
+holds a full (unsharded) base weight in this mode.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List
 
 import torch
 import torch.distributed
 
 from megatron_lora_patch.lora.adapters.layouts import shard, unshard
+from megatron_lora_patch.tp_invariant.shares import TreeSum
 
 
 def _size_and_rank(group: Any) -> tuple:
@@ -41,6 +41,22 @@ def all_gather_logical(tensor: torch.Tensor, dim: int, stride: int, group: Any) 
     return unshard(pieces, dim, stride)
 
 
+def tree_all_gather(partials: List[torch.Tensor], group: Any) -> List[torch.Tensor]:
+    """The canonical tree sums whose subtree of this rank `partials` are (one dtype): one all-gather of
+    them all, then the tree over the ranks' partials in rank order, the same on every rank."""
+    world, _ = _size_and_rank(group)
+    if world == 1:
+        return partials
+    flat = torch.cat([partial.reshape(-1) for partial in partials])
+    pieces = [torch.empty_like(flat) for _ in range(world)]
+    torch.distributed.all_gather(pieces, flat, group=group)
+    tree = TreeSum()
+    for piece in pieces:  # elementwise sums: the flattened buffer runs the tree of every partial at once
+        tree.add(piece)
+    total = tree.result()
+    return [part.view_as(partial) for part, partial in zip(total.split([p.numel() for p in partials]), partials)]
+
+
 def _local_shard(tensor: torch.Tensor, dim: int, stride: int, group: Any) -> torch.Tensor:
     world, rank = _size_and_rank(group)
     if world == 1:
@@ -50,21 +66,17 @@ def _local_shard(tensor: torch.Tensor, dim: int, stride: int, group: Any) -> tor
 
 class _GatherLogical(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, dim, stride, group, full):
+    def forward(ctx, tensor, dim, stride, group):
         ctx.dim, ctx.stride, ctx.group = dim, stride, group
-        # A cached `full` is handed out as a new tensor object (same storage), so this node's
-        # grad_fn is set on the alias, never on the cached tensor.
-        return all_gather_logical(tensor, dim, stride, group) if full is None else full.detach()
+        return all_gather_logical(tensor, dim, stride, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _local_shard(grad, ctx.dim, ctx.stride, ctx.group), None, None, None, None
+        return _local_shard(grad, ctx.dim, ctx.stride, ctx.group), None, None, None
 
 
-def gather_logical(tensor: torch.Tensor, dim: int, stride: int, group: Any,
-                   full: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """All-gather to the world-size-1 layout (or `full`, gathered before from the same shards);
-    backward: this rank's slice of the complete grad."""
+def gather_logical(tensor: torch.Tensor, dim: int, stride: int, group: Any) -> torch.Tensor:
+    """All-gather an activation to the world-size-1 layout; backward: this rank's slice of the complete grad."""
     if torch.distributed.get_world_size(group) == 1:
         return tensor
-    return _GatherLogical.apply(tensor, dim, stride, group, full)
+    return _GatherLogical.apply(tensor, dim, stride, group)

@@ -1,26 +1,24 @@
-"""Column- and row-parallel linears (base + LoRA) computed as the world-size-1 GEMMs.
+"""Column- and row-parallel linears (base + LoRA) on the local weight shards, bitwise TP-invariant.
 
 Installed on `ColumnParallelLinear._forward_impl` / `RowParallelLinear._forward_impl`
 (a method from Megatron-Core 0.14): the layer's own `forward` still decides the input
-mapping, `gather_output`, the bias and the row reduction; only the matmul changes.
+mapping, `gather_output`, the bias and the row reduction; only the matmul changes
+(`tp_invariant.segmented`; docs/architecture.md section 7).
 
-- column: the input (sequence-gathered under SP; its backward then keeps the local
-  slice, since the input grad is complete on every rank) times the gathered full weight,
-  in the TP = 1 layout, plus the LoRA branch `s * (x A^T) B^T` with the gathered full B;
-  the rank computes only its own output columns (`tp_invariant.shares`). Backward
-  all-gathers the output grad, so the input grad `dy W` and `dy B` run over the full
-  output width in the TP = 1 order: no partial dgrad, no all-reduce / reduce-scatter of
-  it, and the replicated A gets its complete grad on every rank.
-- row: the input gathered along K, the gathered full weight, and the LoRA branch with
-  the gathered full A: full-K GEMMs, each rank computing its share of the output columns
-  into a zero output, so Megatron's SUM that follows assembles the full output exactly;
-  the replicated B gets its complete grad on every rank.
+- column: the input (sequence-gathered under SP; its backward then keeps the local slice,
+  since the input grad is complete on every rank; without SP no dgrad all-reduce runs, for
+  the same reason) times this rank's weight shard, plus the LoRA branch `s (x A^T) B_r^T`:
+  the rank's own output columns, no collective. Backward tree-combines the per-rank
+  partial input grads (`dY W`, `dY B`) over TP, so the replicated A gets its complete grad
+  on every rank.
+- row: the input shard times the weight shard, per segment of K, tree-combined over TP
+  (with the LoRA hidden `x A_r^T`), then this rank's share of the output columns placed in
+  zeros, so Megatron's SUM that follows assembles the full output exactly; the replicated B
+  gets its complete grad on every rank.
 
-Compute: forward GEMMs are split across the ranks as in the default mode (in fixed-width
-chunks); backward GEMMs run at full size on every rank (TP times the work of a shard). The
-full weights, biases and LoRA factors are gathered once and cached (`tp_invariant.cache`: the
-frozen base until its shard changes, the factors once per optimizer step); only the
-activations (row input, column output grad) are gathered per call.
+No rank gathers a base weight (or a LoRA factor): every GEMM runs on local shards in
+fixed-size chunks, each rank doing 1 / TP of the GEMM work; the collectives move
+activation-sized partial sums only.
 """
 
 from __future__ import annotations
@@ -29,12 +27,8 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from megatron_lora_patch.lora.adapters.kernels import down_projection
 from megatron_lora_patch.lora.layers.linear import adapter_of
-from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
-from megatron_lora_patch.tp_invariant.cache import cached_gather
-from megatron_lora_patch.tp_invariant.collectives import gather_logical
-from megatron_lora_patch.tp_invariant.shares import owned_columns_linear
+from megatron_lora_patch.tp_invariant import TPInvariantUnsupported, segmented
 
 #: Attribute a patch sets on a column layer whose shards interleave two halves (SwiGLU fc1)
 #: when the weight's own `partition_stride` does not say so.
@@ -79,40 +73,23 @@ def _check_adapter(adapter: Any) -> None:
         )
 
 
-def _share_of_linear(total: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     lora: Optional[Tuple[Any, torch.Tensor, torch.Tensor]], stride: int, group: Any,
-                     keep: bool) -> torch.Tensor:
-    """This rank's share (`tp_invariant.shares`) of `total W^T + b` plus, with `lora = (adapter, full A,
-    full B)`, `s (total A^T) B^T`, every contraction over the full K, on the 2-D view of `total` (CPU
-    kernels pick their path from the strides, and a size-1 batch dim can carry any stride: TP = 1 and
-    TP = n hand over different ones). The down-projection is the default mode's kernel: the LoRA
-    input grad accumulates into the base's in place."""
-    flat_input = total.reshape(-1, total.shape[-1])
-    up = None
-    if lora is not None:
-        adapter, lora_a, lora_b = lora
-        _check_adapter(adapter)
-        flat_input, hidden = down_projection(flat_input, lora_a, None, 0.0, fuse_dgrad=True)
-        up = (hidden, lora_b, adapter.scale)
-    flat = owned_columns_linear(flat_input, weight, bias, up, stride, group, keep)
-    return flat.view(*total.shape[:-1], flat.shape[-1])
+def _lora(layer: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor, float]]:
+    """(A, the B the LoRA term multiplies, s) of the layer's adapter, local shards (B block-masked for
+    separate projections, as in the default mode), or None without an adapter."""
+    adapter = adapter_of(layer)
+    if adapter is None:
+        return None
+    _check_adapter(adapter)
+    return adapter.A, adapter.up_weight(), adapter.scale
 
 
 def _stride(layer: Any, tensor: torch.Tensor) -> int:
     return max(getattr(tensor, "partition_stride", 1), getattr(layer, OUT_STRIDE_ATTRIBUTE, 1))
 
 
-def _full_up_weight(layer: Any, adapter: Any, group: Any) -> torch.Tensor:
-    """The column adapter's full B as the LoRA term uses it (`LoraAdapter.up_weight`: block-masked for
-    separate projections), from the cached gathers of its shards and of its mask."""
-    stride = _stride(layer, adapter.B)
-    full_b = cached_gather(adapter.B, 0, stride, group)
-    return full_b if adapter.block_mask is None else full_b * cached_gather(adapter.block_mask, 0, stride, group)
-
-
 def column_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   sequence_parallel: bool) -> torch.Tensor:
-    """This rank's output columns of the world-size-1 output (base + LoRA), computed alone."""
+    """This rank's output columns of the world-size-1 output (base + LoRA), from its own shards."""
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
     _check_supported(layer)
@@ -122,22 +99,17 @@ def column_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor, bias: O
         total = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=False, group=group)
     else:
         total = input  # non-SP: no dgrad all-reduce; every rank computes the complete input grad
-    stride = _stride(layer, weight)
-    full_bias = None if bias is None else cached_gather(bias, 0, stride, group)
-    adapter = adapter_of(layer)
-    lora = None if adapter is None else (adapter, adapter.A, _full_up_weight(layer, adapter, group))
-    return _share_of_linear(total, cached_gather(weight, 0, stride, group), full_bias, lora, stride, group, keep=True)
+    flat = segmented.column_linear(total.reshape(-1, total.shape[-1]), weight, bias, _lora(layer),
+                                   _stride(layer, weight), group)
+    return flat.view(*total.shape[:-1], flat.shape[-1])
 
 
 def row_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """This rank's columns of the world-size-1 output (base + LoRA), zeros elsewhere: Megatron's
     reduction that follows assembles the full output."""
     _check_supported(layer)
-    group = layer.tp_group
-    total = gather_logical(input, -1, 1, group)
-    adapter = adapter_of(layer)
-    lora = None if adapter is None else (adapter, cached_gather(adapter.A, 1, 1, group), adapter.up_weight())
-    return _share_of_linear(total, cached_gather(weight, 1, 1, group), None, lora, 1, group, keep=False)
+    flat = segmented.row_linear(input.reshape(-1, input.shape[-1]), weight, _lora(layer), layer.tp_group)
+    return flat.view(*input.shape[:-1], flat.shape[-1])
 
 
 def column_forward_impl(wrapped, instance, args, kwargs):

@@ -1,112 +1,94 @@
-"""Each TP rank computes only its share of a TP-invariant linear's output (docs/architecture.md section 7).
+"""The fixed partition of a TP-sharded dimension and the canonical tree over it
+(docs/architecture.md section 7).
 
-The mode needs every output element computed exactly as at TP = 1. An element of `x W^T` is a
-dot product over the full K, so any rank can compute any output column bit for bit, provided
-it runs the same GEMM shape on the same values: CPU and GPU kernels choose their blocking
-(hence the summation order) from the shapes. So the output columns are cut into a fixed
-partition that depends on the width alone, never on the TP degree: each stride part (SwiGLU
-fc1: gate, up) into `SEGMENTS` equal segments, each segment into chunks of at most
-`CHUNK_COLUMNS`. TP rank r of n owns segments r * S / n ... (r + 1) * S / n of every part
-(exactly Megatron's shard of the column layer's output) and computes only those chunks, one
-GEMM per chunk: 1 / n of the GEMM work, where computing the full output cost n times that.
+Bitwise invariance across TP needs every sum whose terms a TP split separates to be formed
+in one order that no TP degree changes, with every GEMM of a shape that no TP degree changes
+either (CPU and GPU kernels choose their blocking, hence the summation order, from the
+shapes). Both come from one partition of the sharded dimension, fixed by its width alone:
+each stride part (SwiGLU fc1: gate, up) is cut into `SEGMENTS` equal segments, each segment
+into chunks of at most `CHUNK_COLUMNS`. TP rank r of n holds segments r * S / n ... (r + 1) *
+S / n of every part: exactly Megatron's shard, with every shard boundary on a segment edge.
 
-- column layer (`keep=True`): the owned columns ARE this rank's output shard;
-- row layer (`keep=False`): the owned columns are placed into a zero output of full width,
-  so Megatron's SUM over TP that follows assembles the full output (`x + 0 == x`, exact in any
-  reduction order).
-
-Backward runs over the complete output grad (all-gathered in the column case, where each rank
-holds its columns' grad; already complete in the row case, whose reduction's backward is the
-identity): input grad `dY W`, weight, bias and LoRA grads as full contractions in the TP = 1
-order, identical on every rank. Forward work is a share, backward work stays full.
+- A GEMM runs per chunk (the same shape at every TP degree).
+- A sum over the sharded dimension is a chained sum over the chunks of a segment (its stride
+  parts in order), then the canonical tree over the segments: it splits its operands
+  into halves (the high bit of the segment index first), so a rank's contiguous segments form
+  one subtree (`TreeSum`). Each rank sums its own subtree, the per-rank partials are all-gathered and the
+  same tree finishes over them in rank order (`collectives.tree_all_gather`): the TP = 1 bits.
 """
 
 from __future__ import annotations
 
 import functools
 from math import gcd
-from typing import Any, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
-import torch.distributed
 
-from megatron_lora_patch.lora.adapters.kernels import up_projection_grads
 from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
-from megatron_lora_patch.tp_invariant.collectives import all_gather_logical
 
 #: Segments per stride part: Megatron's shard boundaries at TP 1, 2, 4 and 8 fall on segment edges.
 SEGMENTS = 8
-#: Widest chunk one GEMM computes (wide enough to run at full GEMM speed, narrow enough to
-#: split a segment of a real model into several).
-CHUNK_COLUMNS = 256
+#: Widest chunk one GEMM covers: a contraction this long keeps a GEMM compute-bound and the
+#: chained adds of a segment few; the row layer's contiguous copy of one weight chunk, `[out, 1024]`,
+#: bounds its scratch.
+CHUNK_COLUMNS = 1024
+
+Chunks = Tuple[Tuple[int, int], ...]
 
 
-@functools.lru_cache(maxsize=None)
-def owned_chunks(width: int, stride: int, world: int, rank: int) -> Tuple[Tuple[int, int], ...]:
-    """The `(start, stop)` output columns (world-size-1 layout) TP rank `rank` of `world` computes,
-    in the order of its output shard: a partition of each stride part that no TP degree changes.
-    Cached: every forward call of a layer asks for the same few shapes."""
+def _segments(width: int, stride: int, world: int) -> Tuple[int, int]:
+    """(segments per stride part, segment size), refused where a TP shard would split a segment."""
     part = width // stride
     segments = gcd(part, SEGMENTS)
     if width % stride or segments % world:
         raise TPInvariantUnsupported(
-            f"tp_invariant: an output of {width} columns (stride {stride}) does not split into whole segments "
+            f"tp_invariant: a dimension of {width} (stride {stride}) does not split into whole segments "
             f"for TP {world}: run the TP-invariant mode at a TP degree dividing {segments}, or turn tp_invariant off"
         )
-    size = part // segments
-    mine = range(rank * segments // world, (rank + 1) * segments // world)
-    return tuple((base + start, base + min(start + CHUNK_COLUMNS, size))
-                 for base in (p * part + s * size for p in range(stride) for s in mine)
-                 for start in range(0, size, CHUNK_COLUMNS))
+    return segments, part // segments
 
 
-def _chunk_output(x, weight, bias, hidden, lora_b, scale, start, stop) -> torch.Tensor:
-    """Columns `start:stop` of `x W^T + b + s h B^T`: a fresh [tokens, stop - start] GEMM output,
-    the same shape (hence the same summation order) on every TP degree."""
-    rows = weight[start:stop]
-    out = torch.mm(x, rows.t()) if bias is None else torch.addmm(bias[start:stop], x, rows.t())
-    if hidden is not None:
-        out.addmm_(hidden, lora_b[start:stop].t(), alpha=scale)
-    return out
+def _chunks_of(start: int, size: int) -> Chunks:
+    stops = (min(offset + CHUNK_COLUMNS, size) for offset in range(0, size, CHUNK_COLUMNS))
+    return tuple((start + offset, start + stop) for offset, stop in zip(range(0, size, CHUNK_COLUMNS), stops))
 
 
-class _OwnedColumnsLinear(torch.autograd.Function):
-    """`x W^T + b (+ s h B^T)` on 2-D tensors, forward restricted to the owned columns."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, hidden, lora_b, scale, share):
-        chunks, keep, stride, group = share
-        ctx.save_for_backward(x, weight, hidden, lora_b)
-        ctx.scale, ctx.keep, ctx.stride, ctx.group = scale, keep, stride, group
-        parts = [_chunk_output(x, weight, bias, hidden, lora_b, scale, *chunk) for chunk in chunks]
-        if keep:
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        out = x.new_zeros(x.shape[0], weight.shape[0])
-        for (start, stop), part in zip(chunks, parts):
-            out[:, start:stop] = part
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, hidden, lora_b = ctx.saved_tensors
-        if ctx.keep:  # each rank holds its columns' grad: the complete one, in the TP = 1 layout
-            grad = all_gather_logical(grad.contiguous(), -1, ctx.stride, ctx.group)
-        needs = ctx.needs_input_grad
-        grad_x = grad.mm(weight) if needs[0] else None
-        grad_weight = grad.t().mm(x) if needs[1] else None
-        grad_bias = grad.sum(dim=0) if needs[2] else None
-        grad_hidden, grad_b = (None, None) if hidden is None else up_projection_grads(
-            grad, hidden, lora_b, ctx.scale, needs[3], needs[4])
-        return grad_x, grad_weight, grad_bias, grad_hidden, grad_b, None, None
+@functools.lru_cache(maxsize=None)
+def local_segments(width: int, stride: int, world: int) -> Tuple[Chunks, ...]:
+    """The chunks of every segment a rank holds, as `(start, stop)` offsets into its LOCAL shard of a
+    dimension of `width`, segment by segment in tree order; within a segment, the chunks of each
+    stride part in turn (the chained order of the segment's sum). The same for every rank."""
+    segments, size = _segments(width, stride, world)
+    mine, local_part = segments // world, width // stride // world
+    return tuple(
+        tuple(chunk for p in range(stride) for chunk in _chunks_of(p * local_part + s * size, size))
+        for s in range(mine)
+    )
 
 
-def owned_columns_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                         lora: Optional[Tuple[torch.Tensor, torch.Tensor, float]],
-                         stride: int, group: Any, keep: bool) -> torch.Tensor:
-    """This rank's share of `x W^T + b + s h B^T` (`lora = (h, full B, s)`), 2-D `x` with the full K and
-    the full `weight` / `bias` / B: its output shard (`keep`) or the full width, zeros outside the share."""
-    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    hidden, lora_b, scale = (None, None, 0.0) if lora is None else lora
-    chunks = owned_chunks(weight.shape[0], stride, world, rank)
-    keep = keep or world == 1  # at world size 1 the share is the whole output: zeros would only add a pass
-    return _OwnedColumnsLinear.apply(x, weight, bias, hidden, lora_b, scale, (chunks, keep, stride, group))
+def local_chunks(width: int, stride: int, world: int) -> Chunks:
+    """Every chunk of the local shard, in the shard's order (a partition of `[0, width / world)`)."""
+    return tuple(sorted(chunk for segment in local_segments(width, stride, world) for chunk in segment))
+
+
+class TreeSum:
+    """The canonical tree sum of a power-of-two count of operands, streamed: `add` them in order, then
+    `result()`. Holds at most log2(count) + 1 partial sums (a binary counter), and adds exactly the
+    pairs the canonical tree adds: each half of the operands first, then the two halves. The operands
+    are consumed: partial sums are formed in place in the first operand of each pair."""
+
+    def __init__(self) -> None:
+        self._stack: List[Tuple[int, torch.Tensor]] = []
+
+    def add(self, value: torch.Tensor) -> None:
+        leaves = 1
+        while self._stack and self._stack[-1][0] == leaves:
+            _, left = self._stack.pop()
+            value, leaves = left.add_(value), 2 * leaves
+        self._stack.append((leaves, value))
+
+    def result(self) -> Optional[torch.Tensor]:
+        if len(self._stack) > 1:
+            raise ValueError(f"tree sum of a count that is not a power of two: {[n for n, _ in self._stack]}")
+        return self._stack[0][1] if self._stack else None
