@@ -16,8 +16,8 @@ Memory (one world per mode: the peak is per process): the growth of the process'
 over the resident size right after the model is built, max over ranks. tracemalloc is not used
 because torch's CPU allocator bypasses Python's allocator (it would see none of the tensors).
 RSS growth counts activations, gathered weights and temporaries, plus allocator slack. The
-state the mode keeps between steps (the cached full weights and factors, `tp_invariant.cache`, and
-the microbatch lanes, `layout_invariant.lanes`) is reported separately, next to the rank's own
+state the mode keeps between steps (the microbatch lanes, `layout_invariant.lanes`: adapter-sized grad
+buffers; no weight is cached) is reported separately, next to the rank's own
 parameter bytes.
 
 Anchor: Megatron-LM #4740 reports +70 % forward and +163 % end-to-end on GPU (TE kernels,
@@ -85,7 +85,6 @@ def _train(spec, topology_text, invariant, steps, global_batch) -> tuple:
     from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings, train_steps
     from megatron_lora_patch.proof.testbed.patches import apply_only
     from megatron_lora_patch.proof.testbed.topology import Topology
-    from megatron_lora_patch.tp_invariant import cache
 
     wanted = set(PATCHES) | ({"layout_invariant"} if invariant else set())
     apply_only(wanted)
@@ -102,7 +101,7 @@ def _train(spec, topology_text, invariant, steps, global_batch) -> tuple:
         with topology.world(seed=settings.seed):
             started = _now()
             record = train_steps(spec, topology, settings)
-            record["cache_bytes"] = cache.cached_bytes() + lanes.lane_bytes() if invariant else 0
+            record["state_bytes"] = lanes.lane_bytes() if invariant else 0
             record["param_bytes"] = _FORWARD["param_bytes"]
             return record, started
     finally:
@@ -112,7 +111,7 @@ def _train(spec, topology_text, invariant, steps, global_batch) -> tuple:
 
 def _step_times(record, started) -> dict:
     ends = [started] + _STEP_ENDS
-    times = {"cache_bytes": record["cache_bytes"], "param_bytes": record["param_bytes"]}
+    times = {"state_bytes": record["state_bytes"], "param_bytes": record["param_bytes"]}
     for index, (suffix, _) in enumerate(CLOCKS):
         times[f"step_{suffix}"] = [end[index] - begin[index] for begin, end in zip(ends, ends[1:])]
         times[f"forward_{suffix}"] = [step["extra"]["forward_s"][index] for step in record["steps"]]
@@ -155,7 +154,7 @@ def _summary(runs: list, warmup: int) -> dict:
             for run in runs
         ]
         figures[f"{key}_ratio"] = (statistics.median(ratios), min(ratios), max(ratios))
-    figures["state_mib"] = {key: runs[-1]["layout_invariant"][key] / 2**20 for key in ("cache_bytes", "param_bytes")}
+    figures["state_mib"] = {key: runs[-1]["layout_invariant"][key] / 2**20 for key in ("state_bytes", "param_bytes")}
     return figures
 
 
@@ -176,8 +175,8 @@ def _report(options, topology: str, figures: dict, peak_mib: dict) -> None:
         )
     print(
         f"peak RSS growth ratio {peak_mib['layout_invariant'] / max(peak_mib['default'], 1e-9):.2f}x; state kept "
-        f"by layout_invariant between steps (cached full weights and microbatch lanes, rank 0): "
-        f"{figures['state_mib']['cache_bytes']:.1f} MiB "
+        f"by layout_invariant between steps (microbatch lanes, rank 0): "
+        f"{figures['state_mib']['state_bytes']:.1f} MiB "
         f"on top of the rank's {figures['state_mib']['param_bytes']:.1f} MiB of parameters"
     )
 
