@@ -91,3 +91,23 @@ def load_world(rank: int, world: int, topology: str, spec, directory: str, share
         except Exception as error:  # the refusal is the result
             return {"error": f"{type(error).__name__}: {error}"}
         return {"before": before, "after": shared_factors(chunks), "error": None}
+
+
+def refusal_world(rank: int, world: int, topology: str, cases: dict) -> dict:
+    """Build each case's `(spec, LoraConfig options)` with the option on: its refusal text, or None when it builds."""
+    from megatron_lora_patch.lora.config import LoraConfigError, set_active
+    from megatron_lora_patch.proof.testbed.models import build_model
+    from megatron_lora_patch.proof.testbed.topology import Topology
+
+    persistence_worker.setup(config())
+    parsed = Topology.parse(topology)
+    found = {}
+    with parsed.world():
+        for label, (spec, options) in cases.items():
+            set_active(config(**options))
+            try:
+                build_model(spec, parsed)
+                found[label] = None
+            except LoraConfigError as error:
+                found[label] = str(error)
+    return found
