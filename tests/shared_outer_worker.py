@@ -74,10 +74,14 @@ def train_world(rank: int, world: int, topology: str, spec, steps: int, director
                 "config": state.config, "tensors": state.tensors, "shared_outer": state.shared_outer}
 
 
-def load_world(rank: int, world: int, topology: str, spec, directory: str, shared: bool = True) -> dict:
-    """Build with other adapters (seed 999), then load `directory`: the shared factors before and after, or the
-    one-line refusal of a model built without (`shared=False`) the option."""
-    from megatron_lora_patch.lora.checkpoints.checkpoint import load_adapters
+def load_world(rank: int, world: int, topology: str, spec, directory: str, shared: bool = True,
+               megatron_load: bool = False) -> dict:
+    """Build with other adapters (seed 999), `shared` or not, then load `directory` with `load_adapters` (or, with
+    `megatron_load`, with `dist_checkpointing.load` of the adapters' sharded state dict, as Megatron-LM's
+    load_checkpoint reaches it): the shared factors before and after, or the refusal."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_lora_patch.lora.checkpoints.checkpoint import adapter_only_sharded_state_dict, load_adapters
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
 
@@ -87,7 +91,10 @@ def load_world(rank: int, world: int, topology: str, spec, directory: str, share
         chunks = build_model(spec, parsed)
         before = shared_factors(chunks)
         try:
-            load_adapters(chunks, directory)
+            if megatron_load:
+                dist_checkpointing.load(adapter_only_sharded_state_dict(chunks), directory)
+            else:
+                load_adapters(chunks, directory)
         except Exception as error:  # the refusal is the result
             return {"error": f"{type(error).__name__}: {error}"}
         return {"before": before, "after": shared_factors(chunks), "error": None}

@@ -163,8 +163,18 @@ def test_checkpoint_round_trip_is_bitwise(runs):
     after = _largest((copy, saved[name][0]) for name in saved for copy in loaded["after"][name])
     print(f"shared factors: {before:.2e} apart before the load, {after} after")
     assert after == 0.0 and before > 0.0
-    refused = run_world(worker.load_world, 1, args=("tp1", SPEC, str(runs["root"] / "ep2"), False), name="load")[0]
-    assert "set MEGATRON_LORA_EXPERT_SHARED_OUTER=1" in refused["error"] and "\n" not in refused["error"]
+
+
+
+def test_a_checkpoint_trained_the_other_way_is_refused(runs):
+    """`load_adapters` and Megatron-LM's load path (the patched `dist_checkpointing.load`) refuse, both ways."""
+    per_expert = str(runs["root"] / "per-expert")
+    run_world(persistence_worker.save_world, 1, args=("tp1", SPEC, 7, per_expert), name="save")
+    for directory, shared, expected in ((str(runs["root"] / "ep2"), False, "=1"), (per_expert, True, "=0")):
+        for megatron_load in (False, True):
+            args = ("tp1", SPEC, directory, shared, megatron_load)
+            error = run_world(worker.load_world, 1, args=args, name="load")[0]["error"]
+            assert f"set MEGATRON_LORA_EXPERT_SHARED_OUTER{expected}" in error and "\n" not in error, error
 
 
 def test_refusals_are_one_line(runs):

@@ -94,8 +94,9 @@ def _shared_parameter(name: str, factor: str, first: LoraAdapter, config: LoraCo
     in_size, out_size = (local.shape[1], 1) if factor == "A" else (1, local.shape[0])
     logical = logical_factors(config, name, None, in_size, out_size)[0 if factor == "A" else 1]
     param = torch.nn.Parameter(logical.to(device=local.device, dtype=local.dtype))
-    tag(param, AdapterParamInfo(module=name, factor=factor, replicated=True, domain="expert_tp",  # type: ignore[arg-type]
-                                group=first.tp_group, expert=False))
+    info = AdapterParamInfo(module=name, factor="A" if factor == "A" else "B", replicated=True, domain="expert_tp",
+                            group=first.tp_group, expert=False)
+    tag(param, info)
     param.allreduce = True  # dense DDP buffers: reduced over every DP rank, EP ranks included
     return param
 
