@@ -68,7 +68,7 @@ def test_bad_value_stops_activation(variable, value, message):
 
 ACCEPTED_KEYS = (
     "rank, alpha, dropout, targets, exclude, init, b_init, seed, sp_input, rslora, rank_pattern, alpha_pattern, "
-    "separate_projections, modules_to_save"
+    "separate_projections, expert_shared_outer, modules_to_save"
 )
 
 # name -> (file name, content or None for no file, the message with {path} for the file's path)
