@@ -100,13 +100,14 @@ def load_world(rank: int, world: int, topology: str, spec, directory: str, share
         return {"before": before, "after": shared_factors(chunks), "error": None}
 
 
-def refusal_world(rank: int, world: int, topology: str, cases: dict) -> dict:
-    """Build each case's `(spec, LoraConfig options)` with the option on: its refusal text, or None when it builds."""
+def refusal_world(rank: int, world: int, topology: str, cases: dict, patches=persistence_worker.PATCHES) -> dict:
+    """Build each case's `(spec, LoraConfig options)` with the option on (and `patches`): its refusal text, or None
+    when it builds."""
     from megatron_lora_patch.lora.config import LoraConfigError, set_active
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
 
-    persistence_worker.setup(config())
+    persistence_worker.setup(config(), patches)
     parsed = Topology.parse(topology)
     found = {}
     with parsed.world():

@@ -272,6 +272,7 @@ def test_plugin_declares_every_variable_it_reads():
         "MEGATRON_LORA_RANK_PATTERN",
         "MEGATRON_LORA_ALPHA_PATTERN",
         "MEGATRON_LORA_SEPARATE_PROJECTIONS",
+        "MEGATRON_LORA_EXPERT_SHARED_OUTER",
         "MEGATRON_LORA_MODULES_TO_SAVE",
     ]
 

@@ -194,9 +194,16 @@ def test_refusals_are_one_line(runs):
             call()
         assert text in str(error.value) and "\n" not in str(error.value)
     cases = {"separate": (SPEC, {"separate_projections": True}), "dense": (TinyGPTSpec(), {}),
-             "no experts targeted": (SPEC, {"targets": ("linear_qkv",)})}
+             "no experts targeted": (SPEC, {"targets": ("linear_qkv",)}),
+             "expert glob": (SPEC, {"rank_pattern": {"*.local_experts.*.linear_fc1": 2}})}
     found = run_world(worker.refusal_world, 1, args=("tp1", cases), name="refusals")[0]
-    for label, text in (("separate", "separate projections give them two"),
-                        ("dense", "no adapted routed expert"), ("no experts targeted", "no adapted routed expert")):
+    found.update(run_world(worker.refusal_world, 2, args=("tp2-sp", {"etp1": (SPEC, {})}), name="etp1")[0])
+    invariant = persistence_worker.PATCHES + ("layout_invariant",)
+    found.update(run_world(worker.refusal_world, 1, args=("tp1", {"invariant": (SPEC, {})}, invariant),
+                           name="invariant")[0])
+    for label, text in (("separate", "separate projections give them two"), ("etp1", "expert TP [1] differs from TP 2"),
+                        ("invariant", "layout-invariant mode does not support it"),
+                        ("dense", "no adapted routed expert"), ("no experts targeted", "no adapted routed expert"),
+                        ("expert glob", "its experts rank 2; give the experts' rank by module kind")):
         assert found[label] is not None and text in found[label] and "\n" not in found[label], found[label]
-        assert found[label].startswith("LoraConfig.expert_shared_outer (one fc1 A"), found[label]
+        assert found[label].startswith("LoraConfig.expert_shared_outer (one fc1 A") or label == "expert glob"

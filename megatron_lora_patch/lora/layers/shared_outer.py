@@ -93,6 +93,9 @@ def _shared_parameter(name: str, factor: str, first: LoraAdapter, config: LoraCo
     local = getattr(first, factor)
     in_size, out_size = (local.shape[1], 1) if factor == "A" else (1, local.shape[0])
     logical = logical_factors(config, name, None, in_size, out_size)[0 if factor == "A" else 1]
+    if logical.shape != local.shape:  # a rank_pattern glob over expert names that misses `name`
+        raise LoraConfigError(f"rank_pattern gives {name} rank {config.rank_for(name)} but its experts rank "
+                              f"{first.rank}; give the experts' rank by module kind (e.g. linear_fc1=8)")
     param = torch.nn.Parameter(logical.to(device=local.device, dtype=local.dtype))
     info = AdapterParamInfo(module=name, factor="A" if factor == "A" else "B", replicated=True, domain="expert_tp",
                             group=first.tp_group, expert=False)
