@@ -19,6 +19,12 @@ at inference; equal logits then prove the names, shapes and orientation the engi
   the buffer rows `[:r]` and B into columns `[:r]` with the shape asserted equal; scaling `lora_alpha / r`
   (no rsLoRA, no patterns); a routed expert is read per expert when `experts.<e>.` is in its name,
   as 3D when its tensor is 3D, else as a plain module (peft's packed 2D wrappers: refused here).
+- SGLang shared-outer (`shared_outer_deltas`; python/sglang/srt/lora/lora.py `LoRAAdapter.
+  normalize_gate_up_proj`: a stacked gate_up lora_A is repeated twice along dim -2; mem_pool.py
+  `LoRAMemoryPool.load_lora_weight_to_buffer`: a name with `experts.<e>.` is expert e's 2D weight, one
+  with `experts` and no index a 3D one whose expert dim must be 1 and whose `[0]` every expert uses; the
+  gate_up A buffer holds slot c at rows `c*r`, B is scaled by `lora_alpha / r` on load; the MoE kernel
+  multiplies output slice c (gate, up) of `gate_up` B by A slot c).
 """
 
 from __future__ import annotations
@@ -110,3 +116,54 @@ def sglang_merge(model, tensors: dict, config: dict):
             raise ValueError(f"{module}: LoRA buffer shape [:{config['r']}] does not match weight shapes "
                              f"{tuple(factors['A'].shape)}, {tuple(factors['B'].shape)}")
     return merge(model, tensors, {**config, "use_rslora": False})
+
+
+_SHARED_OUTER = re.compile(r"^(.+\.layers\.\d+\.mlp\.experts)\.(?:(\d+)\.)?(gate_up_proj|down_proj)$")
+
+
+def shared_outer_deltas(tensors: dict, config: dict, swap_gate_up: bool = False) -> dict:
+    """(experts module, expert) -> (delta of gate_up_proj[e] `[2I, H]`, of down_proj[e] `[H, I]`), read as SGLang
+    reads the shared-outer layout; `swap_gate_up` misreads gate_up B's rows as `[up; gate]` (control)."""
+    scale, rank = config["lora_alpha"] / config["r"], config["r"]
+    outer, inner = {}, {}
+    for module, factors in modules(tensors).items():
+        match = _SHARED_OUTER.match(module)
+        if match is None:  # not an expert: `merge` reads it
+            continue
+        stem, expert, projection = match.groups()
+        for factor, tensor in factors.items():
+            if expert is None:  # 3D, expert dim 1
+                assert tensor.dim() == 3 and tensor.shape[0] == 1, (module, tuple(tensor.shape))
+                outer[(stem, projection, factor)] = tensor.repeat(1, 2, 1)[0] if factor == "A" else tensor[0]
+            else:
+                inner.setdefault((stem, int(expert)), {})[(projection, factor)] = tensor
+    deltas = {}
+    for (stem, expert), own in inner.items():
+        lora_a, lora_b = outer[(stem, "gate_up_proj", "A")], own[("gate_up_proj", "B")] * scale
+        half = lora_b.shape[0] // 2
+        gate, up = (lora_b[half:], lora_b[:half]) if swap_gate_up else (lora_b[:half], lora_b[half:])
+        gate_up = torch.cat([gate @ lora_a[:rank], up @ lora_a[rank:]])
+        down = (outer[(stem, "down_proj", "B")] * scale) @ own[("down_proj", "A")]
+        deltas[(stem, expert)] = (gate_up, down)
+    return deltas
+
+
+def per_expert_deltas(tensors: dict, config: dict) -> dict:
+    """The same deltas from the per-expert layout (`[gate; up]` rows), each `(scaling * B) @ A`."""
+    scale, found = config["lora_alpha"] / config["r"], {}
+    for module, factors in modules(tensors).items():
+        match = _PER_EXPERT.match(module)
+        if match:
+            stem, expert, projection = match.groups()
+            found.setdefault((stem, int(expert)), {})[projection] = (factors["B"] * scale) @ factors["A"]
+    return {key: (torch.cat([own["gate_proj"], own["up_proj"]]), own["down_proj"]) for key, own in found.items()}
+
+
+def add_deltas(model, deltas: dict):
+    """`model` with each expert's deltas added to its 3D `gate_up_proj` / `down_proj` (in place; returned)."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for (stem, expert), (gate_up, down) in deltas.items():
+            params[f"{stem}.gate_up_proj"][expert] += gate_up
+            params[f"{stem}.down_proj"][expert] += down
+    return model

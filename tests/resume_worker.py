@@ -25,7 +25,9 @@ def _state(chunks, optimizer, is_loading: bool, with_optimizer: bool = True) -> 
     return {"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading)}
 
 
-def _train_step(chunks, optimizer, spec, step: int) -> None:
+def _train_step(chunks, optimizer, spec, step: int) -> tuple:
+    """One optimizer step on this DP rank's microbatches of the step's global batch; `optimizer.step()`'s
+    (update successful, grad norm, zeros)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -50,7 +52,7 @@ def _train_step(chunks, optimizer, spec, step: int) -> None:
         decoder_seq_length=spec.seq_length,
         forward_only=False,
     )
-    optimizer.step()
+    return optimizer.step()
 
 
 def train_world(

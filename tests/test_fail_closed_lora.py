@@ -68,7 +68,7 @@ def test_bad_value_stops_activation(variable, value, message):
 
 ACCEPTED_KEYS = (
     "rank, alpha, dropout, targets, exclude, init, b_init, seed, sp_input, rslora, rank_pattern, alpha_pattern, "
-    "separate_projections, modules_to_save"
+    "separate_projections, expert_shared_outer, modules_to_save"
 )
 
 # name -> (file name, content or None for no file, the message with {path} for the file's path)
@@ -272,6 +272,7 @@ def test_plugin_declares_every_variable_it_reads():
         "MEGATRON_LORA_RANK_PATTERN",
         "MEGATRON_LORA_ALPHA_PATTERN",
         "MEGATRON_LORA_SEPARATE_PROJECTIONS",
+        "MEGATRON_LORA_EXPERT_SHARED_OUTER",
         "MEGATRON_LORA_MODULES_TO_SAVE",
     ]
 

@@ -114,7 +114,8 @@ def test_refusals_are_one_line(handed):
     saving = dataclasses.replace(state, config={**state.config, "modules_to_save": ["lm_head"]})
     patterned = dataclasses.replace(state, config={**state.config, "rank_pattern": {"o_proj": 2}})
     for call, text in (
-        (lambda: handoff.convert(state, "shared_outer"), "Megatron trains one per expert"),
+        (lambda: handoff.convert(state, "shared_outer"),
+         "no engine loads" if state.family == "llama" else "this adapter was trained with one per expert"),
         (lambda: handoff.convert(dataclasses.replace(state, family="llama"), "per_expert"), "no engine loads"),
         (lambda: handoff.vllm_payload(saving, "p", 1), "vLLM loads no modules_to_save"),
         (lambda: handoff.vllm_payload(patterned, "p", 1), "rank_pattern"),

@@ -111,7 +111,7 @@ def test_bad_config_files(tmp_path):
     assert str(raised.value) == (
         f"MEGATRON_LORA_CONFIG ({unknown}): unknown key 'rnak' (did you mean 'rank'?); accepted keys: "
         "rank, alpha, dropout, targets, exclude, init, b_init, seed, sp_input, rslora, rank_pattern, alpha_pattern, "
-        "separate_projections, modules_to_save"
+        "separate_projections, expert_shared_outer, modules_to_save"
     )
 
     typed = tmp_path / "typed.toml"

@@ -11,11 +11,17 @@ wrapper per layer and parameter: `mlp.experts[.base_layer].lora_A.weight [E*r, i
   (`mlp.experts.<e>.gate_proj` / `up_proj` / `down_proj`; Mixtral `block_sparse_moe.experts.<e>.w1` /
   `w3` / `w2`): expert e's A rows and B columns, gate_up's B rows `[gate; up]` split and its one A copied
   to both. What vLLM's 2D `FusedMoEWithLoRA` packs per expert (`PackedLoRALayerWeights.pack_moe`), and the
-  only layout of ours SGLang reads (`LoRAMemoryPool.load_lora_weight_to_buffer`: `experts.<e>.` in a name
-  selects the per-expert buffer; peft's packed 2D wrappers match neither that nor its 3D branch).
-  rank_pattern / alpha_pattern are re-keyed for the new module paths (`pattern_keys`).
-- `"shared_outer"` (SGLang `--experts-shared-outer-loras`: one gate_up lora_A and one down lora_B for
-  all experts of a layer) is refused: Megatron trains every expert's A and B, which it cannot hold.
+  layout SGLang reads without `--experts-shared-outer-loras` (`LoRAMemoryPool.load_lora_weight_to_buffer`:
+  `experts.<e>.` in a name selects the per-expert buffer; peft's packed 2D wrappers match neither that nor its
+  3D branch). rank_pattern / alpha_pattern are re-keyed for the new module paths (`pattern_keys`).
+- `"shared_outer"`: SGLang's `--experts-shared-outer-loras` (python/sglang/srt/lora/mem_pool.py,
+  `LoRAMemoryPool.load_lora_weight_to_buffer`): per layer one 3D `experts.gate_up_proj.lora_A.weight
+  [1, r, in]` (SGLang repeats a stacked gate_up A for gate and up, `LoRAAdapter.normalize_gate_up_proj`)
+  and one `experts.down_proj.lora_B.weight [1, out, r]`, and per expert e `experts.<e>.gate_up_proj.
+  lora_B.weight [2I, r]` (rows `[gate; up]`) and `experts.<e>.down_proj.lora_A.weight [r, I]`. Only for
+  an adapter trained with `MEGATRON_LORA_EXPERT_SHARED_OUTER=1` (every expert holds the same outer
+  factors, checked bitwise); SGLang loads every module at `r` with `lora_alpha / r`, so rank / alpha
+  patterns and rsLoRA are refused.
 
 docs/handoff.md section 4 (proof: logits of a loader that follows each engine's source).
 """
@@ -45,7 +51,9 @@ LOADERS = {
     "peft": "peft >= 0.18 on transformers >= 5, vLLM 3D-MoE LoRA (LoRAModelManager._stack_moe_lora_weights)",
     "per_expert": "SGLang (LoRAMemoryPool.load_lora_weight_to_buffer), vLLM 2D MoE LoRA (FusedMoEWithLoRA, "
                   "pack_moe), peft on transformers 4 MoE models",
+    "shared_outer": "SGLang --experts-shared-outer-loras (LoRAMemoryPool.load_lora_weight_to_buffer)",
 }
+SHARED_OUTER_OPTION = "MEGATRON_LORA_EXPERT_SHARED_OUTER=1"
 _PACKED = re.compile(r"^(?P<layer>.+\.layers\.\d+)\.mlp\.experts(?P<base>\.base_layer)?\.lora_(?P<f>[AB])\.weight$")
 
 
@@ -53,17 +61,24 @@ class LayoutError(PeftFormatError):
     """An adapter cannot be written in the requested MoE layout; one-line message."""
 
 
-def _check(layout: str, family: str) -> None:
-    if layout == "shared_outer":
+def _check(layout: str, state: AdapterState) -> None:
+    if layout not in LOADERS:
+        raise LayoutError(f"unknown MoE layout {layout!r}; known: {', '.join(LOADERS)}")
+    if layout != "peft" and state.family not in PER_EXPERT_NAMES:
+        raise LayoutError(f"no engine loads {layout} LoRA modules for family {state.family!r}; {layout} is known for "
+                          f"{', '.join(PER_EXPERT_NAMES)} ({LOADERS[layout]})")
+    if layout != "shared_outer":
+        return
+    if not state.shared_outer:
         raise LayoutError(
             "layout 'shared_outer' (SGLang --experts-shared-outer-loras) has one gate_up lora_A and one down lora_B "
-            "per layer, Megatron trains one per expert; use layout 'peft' or 'per_expert'"
+            f"per layer, this adapter was trained with one per expert; train with {SHARED_OUTER_OPTION}, or use "
+            "layout 'peft' or 'per_expert'"
         )
-    if layout not in LOADERS:
-        raise LayoutError(f"unknown MoE layout {layout!r}; known: {', '.join(LOADERS)}, shared_outer")
-    if layout == "per_expert" and family not in PER_EXPERT_NAMES:
-        raise LayoutError(f"no engine loads per-expert LoRA modules for family {family!r}; per_expert is known for "
-                          f"{', '.join(PER_EXPERT_NAMES)} ({LOADERS['per_expert']})")
+    for field in ("rank_pattern", "alpha_pattern", "use_rslora"):
+        if state.config.get(field):
+            raise LayoutError(f"SGLang loads every LoRA module at r with lora_alpha / r ({field}="
+                              f"{state.config[field]} would be ignored); train without it for layout 'shared_outer'")
 
 
 def _parameter(config: dict, layer_path: str, base: bool, layers_with_base: set) -> str:
@@ -110,15 +125,43 @@ def _patterns(config: dict, tensors: Dict[str, torch.Tensor], names: tuple) -> d
     return fields
 
 
+def _shared_outer(path: str, names: tuple, parameter: str, lora_a, lora_b, rank: int) -> Dict[str, torch.Tensor]:
+    """One packed wrapper in SGLang's shared-outer names: the outer factor once (3D, expert dim 1), the
+    inner one per expert; a one-line error when the experts' outer factors are not one tensor."""
+    stem = f"{path}.{names[0]}"
+    num = lora_a.shape[0] // rank
+    per_a, per_b = lora_a.reshape(num, rank, -1), lora_b.reshape(lora_b.shape[0], rank, num).permute(2, 0, 1)
+    outer, inner, kind = (per_a, per_b, "lora_A") if parameter == "gate_up_proj" else (per_b, per_a, "lora_B")
+    if not all(torch.equal(outer[e], outer[0]) for e in range(num)):
+        raise LayoutError(f"the experts of {path} hold different {parameter} {kind} factors, not one shared one; "
+                          f"layout 'shared_outer' needs a model trained with {SHARED_OUTER_OPTION}")
+    inner_kind = "lora_B" if kind == "lora_A" else "lora_A"
+    out = {f"{stem}.{parameter}.{kind}.weight": outer[:1].clone().contiguous()}
+    out.update({f"{stem}.{e}.{parameter}.{inner_kind}.weight": inner[e].clone().contiguous() for e in range(num)})
+    return out
+
+
+def _layout_config(config: dict, layout: str, names: tuple, tensors: Dict[str, torch.Tensor]) -> dict:
+    """adapter_config of the converted layout: experts as modules, not `target_parameters`."""
+    if layout == "per_expert":
+        config, modules = {**config, **_patterns(config, tensors, names)}, names[1:]
+    else:
+        config, modules = dict(config), ("gate_up_proj", "down_proj")
+    config.pop("target_parameters")
+    config["target_modules"] = sorted(set(config["target_modules"]) | set(modules))
+    return config
+
+
 def convert(state: AdapterState, layout: str = "peft") -> AdapterState:
     """`state` (PEFT `target_parameters` layout, as `adapter_state` returns it) in the MoE `layout`,
     or a one-line `LayoutError` for a layout / family no engine loads (docs/handoff.md section 4)."""
-    _check(layout, state.family)
+    _check(layout, state)
     if layout == "peft" or not state.config.get("target_parameters"):
         return state
     if any(".layers." in entry for entry in state.config["target_parameters"]):
-        raise LayoutError("per_expert needs every layer's experts adapted (target_parameters names single layers)")
+        raise LayoutError(f"{layout} needs every layer's experts adapted (target_parameters names single layers)")
     names = PER_EXPERT_NAMES[state.family]
+    write = _per_expert if layout == "per_expert" else _shared_outer
     packed = {key: _PACKED.match(key) for key in state.tensors}
     with_base = {match.group("layer") for match in packed.values() if match and match.group("base")}
     tensors = {key: value for key, value in state.tensors.items() if packed[key] is None}
@@ -130,8 +173,6 @@ def convert(state: AdapterState, layout: str = "peft") -> AdapterState:
         hf_path = f"{layer[len(PEFT_PREFIX):]}.mlp.experts.{parameter}"
         rank = int(peft_pattern_value(state.config.get("rank_pattern") or {}, hf_path, state.config["r"]))
         lora_b = state.tensors[key[: -len("lora_A.weight")] + "lora_B.weight"]
-        tensors.update(_per_expert(layer, names, parameter, state.tensors[key], lora_b, rank))
-    config = {**state.config, **_patterns(state.config, tensors, names)}
-    config.pop("target_parameters")
-    config["target_modules"] = sorted(set(config["target_modules"]) | set(names[1:]))
+        tensors.update(write(layer, names, parameter, state.tensors[key], lora_b, rank))
+    config = _layout_config(state.config, layout, names, tensors)
     return dataclasses.replace(state, config=config, tensors=dict(sorted(tensors.items())))

@@ -31,6 +31,9 @@ class AdapterState:
     config: dict
     tensors: Dict[str, torch.Tensor]
     family: str
+    #: trained with `MEGATRON_LORA_EXPERT_SHARED_OUTER=1`: every expert of a layer holds the same fc1 A and
+    #: fc2 B (replicated in these tensors), so `convert(state, "shared_outer")` can write them once
+    shared_outer: bool = False
 
 
 def _to_peft(logical: Dict[gather.Key, torch.Tensor], description: dict,
@@ -78,8 +81,10 @@ def adapter_state(chunks: Iterable[torch.nn.Module], family: str = "llama", dst:
     the config and no tensors). Equal, byte for byte, to `megatron-lora-patch export --family FAMILY` of
     a checkpoint the model would save now; load it with `peft.set_peft_model_state_dict`
     (docs/handoff.md section 1)."""
+    chunks = list(chunks)
     config, units = stream(chunks, family, dst)
     tensors: Dict[str, torch.Tensor] = {}
     for _, part in units:
         tensors.update(part)
-    return AdapterState(config, dict(sorted(tensors.items())), family)
+    shared = bool(checkpoint.describe(chunks).get("expert_shared_outer", False))
+    return AdapterState(config, dict(sorted(tensors.items())), family, shared)

@@ -28,6 +28,8 @@ a module no entry matches uses `rank` (`alpha`). `MEGATRON_LORA_RSLORA=1` scales
 alpha / sqrt(r) instead of alpha / r (rsLoRA, PEFT's `use_rslora`).
 `MEGATRON_LORA_SEPARATE_PROJECTIONS=1` gives q, k, v (and SwiGLU gate, up) their own A and B, as
 standard PEFT LoRA on separate projections (lora/adapters/projections.py).
+`MEGATRON_LORA_EXPERT_SHARED_OUTER=1` gives each MoE layer's routed experts one shared fc1 A and one shared
+fc2 B (SGLang's shared-outer layout; lora/layers/shared_outer.py, docs/handoff.md section 4).
 
 Modules to train fully (PEFT's `modules_to_save`): `MEGATRON_LORA_MODULES_TO_SAVE='output_layer'`
 names modules, matched like a target entry, whose base weights stay trainable with Megatron's own
@@ -85,6 +87,9 @@ class LoraConfig:
     # separate A and B per q / k / v and per gate / up on Megatron's fused linear_qkv / SwiGLU linear_fc1
     # (standard PEFT LoRA on separate projections; lora/adapters/projections.py); False: one A per fused layer
     separate_projections: bool = False
+    # one fc1 (gate_up) A and one fc2 (down) B per MoE layer, shared by all its routed experts (SGLang's
+    # --experts-shared-outer-loras layout; lora/layers/shared_outer.py); False: every expert has its own
+    expert_shared_outer: bool = False
     # modules whose base weights train fully (PEFT modules_to_save), matched like targets
     modules_to_save: tuple = ()
 
@@ -120,14 +125,16 @@ class LoraConfig:
             "rank_pattern": [list(pair) for pair in self.rank_pattern],
             "alpha_pattern": [list(pair) for pair in self.alpha_pattern],
             "separate_projections": self.separate_projections,
+            "expert_shared_outer": self.expert_shared_outer,
             "modules_to_save": list(self.modules_to_save),
         }
 
     @classmethod
     def from_description(cls, description: Mapping[str, Any]) -> "LoraConfig":
         """The rank / alpha settings, layout and fully trained modules of a checkpoint description (older
-        ones have no rsLoRA, patterns, separate projections or modules to save)."""
-        keys = ("rank", "alpha", "rslora", "rank_pattern", "alpha_pattern", "separate_projections")
+        ones have no rsLoRA, patterns, separate projections, shared outer expert factors or modules to save)."""
+        keys = ("rank", "alpha", "rslora", "rank_pattern", "alpha_pattern", "separate_projections",
+                "expert_shared_outer")
         values = {key: description[key] for key in keys if key in description}
         return cls(**values, modules_to_save=tuple(description.get("modules_to_save", ())))
 

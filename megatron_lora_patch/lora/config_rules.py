@@ -147,6 +147,11 @@ RULES: dict = {
         lambda text: parse_bool("separate_projections", text),
         lambda v: isinstance(v, bool),
     ),
+    "expert_shared_outer": (
+        "one of " + ACCEPTED_BOOLEANS,
+        lambda text: parse_bool("expert_shared_outer", text),
+        lambda v: isinstance(v, bool),
+    ),
     "modules_to_save": (
         "a comma-separated list of modules to train fully, each matching one of " + ", ".join(TRAINABLE_MODULES)
         + " (a last name such as output_layer or word_embeddings, or a glob)",

@@ -317,9 +317,16 @@ def load_adapters(chunks: Iterable[torch.nn.Module], directory: str) -> None:
             f"{directory}: checkpoint {'has' if separate else 'has no'} separate q/k/v and gate/up adapters but this "
             f"model {'has no' if separate else 'has'} them; set MEGATRON_LORA_SEPARATE_PROJECTIONS={int(separate)}"
         )
+    shared = bool(saved.get("expert_shared_outer", False))  # older checkpoints: per-expert factors
+    if shared != here["expert_shared_outer"]:
+        raise AdapterCheckpointError(
+            f"{directory}: checkpoint {'has' if shared else 'has no'} expert factors shared per MoE layer but this "
+            f"model {'has no' if shared else 'has'} them; set MEGATRON_LORA_EXPERT_SHARED_OUTER={int(shared)}"
+        )
     sharded = adapter_only_sharded_state_dict(chunks)
     loaded = dist_checkpointing.load(sharded, directory)
-    parameters = dict(single_model(chunks).named_parameters())
+    # A shared outer expert factor sits under every local expert's name (lora/layers/shared_outer.py).
+    parameters = dict(single_model(chunks).named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for key in sharded:  # `loaded` also holds the common state (the description)
             parameters[key].copy_(loaded[key])

@@ -106,6 +106,25 @@ def check_match(requested: Dict[str, Any], saved: Dict[str, Any], directory: str
         )
 
 
+def check_shared_outer(here: Any, directory: str) -> None:
+    """Raise `AdapterMismatchError` when the checkpoint's experts share their outer factors and this run's do
+    not, or the other way round (the shapes agree: the shared factor is saved under every expert's name, and
+    loading per-expert factors into one shared tensor would keep whichever expert came last)."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(directory)
+    saved = common.get(checkpoint.DESCRIPTION_KEY) if isinstance(common, dict) else None
+    if not isinstance(here, dict) or not isinstance(saved, dict):
+        return  # nothing to compare: a checkpoint written without the plugin's description, or no model known
+    shared = bool(saved.get("expert_shared_outer", False))
+    if shared != bool(here.get("expert_shared_outer", False)):
+        raise AdapterMismatchError(
+            f"the LoRA experts in {directory} {'share' if shared else 'do not share'} one fc1 A and fc2 B per "
+            f"MoE layer, this run's {'do not' if shared else 'do'}; set MEGATRON_LORA_EXPERT_SHARED_OUTER="
+            f"{int(shared)} as when it was saved"
+        )
+
+
 def _saved_adapters(directory: str) -> Dict[str, Any]:
     from megatron.core import dist_checkpointing
 
@@ -150,6 +169,7 @@ def load_base_or_adapters(wrapped, instance, args, kwargs):
     model_slots = [(path, entry) for path, entry in slots if not _is_optimizer(path, entry.key)]
     if saved:
         check_match({entry.key: entry for _, entry in model_slots}, saved, directory)
+        check_shared_outer(_description_of(state), directory)
         return wrapped(*args, **kwargs)
     if len(model_slots) < len(slots):
         raise AdapterMismatchError(
