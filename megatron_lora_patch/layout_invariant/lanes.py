@@ -28,10 +28,12 @@ import torch
 import torch.distributed
 
 from megatron_lora_patch.layout_invariant import LayoutInvariantUnsupported
-from megatron_lora_patch.layout_invariant.tree import canonical_sum, lane_of, rank_lanes
+from megatron_lora_patch.layout_invariant.tree import LANES, canonical_sum, lane_of, rank_lanes
 
 #: DDP module -> {param: its BufferLanes}
 _LANES_OF: "weakref.WeakKeyDictionary[Any, Dict[Any, BufferLanes]]" = weakref.WeakKeyDictionary()
+#: Attribute naming a parameter's BufferLanes (the expert path adds grads by parameter alone).
+LANES_ATTRIBUTE = "layout_invariant_lanes"
 
 
 class _Microbatches:
@@ -68,8 +70,21 @@ class BufferLanes:
                 )
 
     def add(self, param: Any, grad: torch.Tensor, microbatch: int) -> None:
-        """Add one microbatch's `grad` of `param` into that microbatch's lane."""
-        lane = lane_of(microbatch, self.dp_rank, self.dp_size)
+        """Add one local microbatch's `grad` of `param` into that microbatch's lane."""
+        self.add_to_lane(param, grad, lane_of(microbatch, self.dp_rank, self.dp_size))
+
+    def add_global(self, param: Any, grad: torch.Tensor, global_microbatch: int) -> None:
+        """Add the `grad` of `param` from global microbatch `global_microbatch` (the expert path,
+        `layout_invariant.experts`), which must be one of this DP rank's own microbatches."""
+        if global_microbatch % self.dp_size != self.dp_rank:
+            raise LayoutInvariantUnsupported(
+                f"layout_invariant: DP rank {self.dp_rank} of {self.dp_size} got a grad of global microbatch "
+                f"{global_microbatch}, which another rank holds; deal data like MegatronPretrainingSampler"
+            )
+        self.add_to_lane(param, grad, global_microbatch % LANES)
+
+    def add_to_lane(self, param: Any, grad: torch.Tensor, lane: int) -> None:
+        """Add `grad` of `param` into `lane` (chained: the lane's first grad of a step overwrites)."""
         flat = self.flat.get(lane)
         if flat is None:
             flat = self.flat[lane] = torch.zeros_like(self.buffer.grad_data)
@@ -98,17 +113,33 @@ def _lanes(ddp: Any) -> Dict[Any, BufferLanes]:
     """{param: its BufferLanes} of a DDP module, built on first use (the first `zero_grad_buffer` of a
     step, at the latest its first grad) after the mode's checks (`layout_invariant.checks`)."""
     from megatron_lora_patch.layout_invariant import checks
+    from megatron_lora_patch.layout_invariant.expert_lanes import ExpertBufferLanes
 
     per_param = _LANES_OF.get(ddp)
     if per_param is None:
         checks.check_parallelism(ddp.config, ddp.ddp_config)
         checks.check_training(ddp.config, ddp.module)
         per_param = {}
-        for buffer in ddp.buffers:
-            lanes = BufferLanes(buffer)
+        buffers = [(buffer, BufferLanes) for buffer in ddp.buffers]
+        buffers += [(buffer, ExpertBufferLanes) for buffer in getattr(ddp, "expert_parallel_buffers", ())]
+        for buffer, kind in buffers:
+            lanes = kind(buffer)
             per_param.update(dict.fromkeys(lanes.ranges, lanes))
         _LANES_OF[ddp] = per_param
+        for param, lanes in per_param.items():
+            setattr(param, LANES_ATTRIBUTE, lanes)
     return per_param
+
+
+def lanes_of_param(param: Any) -> BufferLanes:
+    """The lanes of a parameter some DDP module owns (built at its first `zero_grad_buffer`)."""
+    lanes = getattr(param, LANES_ATTRIBUTE, None)
+    if lanes is None:
+        raise LayoutInvariantUnsupported(
+            "layout_invariant: an expert parameter's grad arrived before its DDP module's first zero_grad_buffer "
+            "(or the parameter is not wrapped in Megatron DDP); wrap the model in DDP and zero its grad buffer"
+        )
+    return lanes
 
 
 def make_backward_post_hook(wrapped, instance, args, kwargs):
