@@ -20,7 +20,7 @@ import torch
 import torch.distributed
 
 from megatron_lora_patch.layout_invariant import LayoutInvariantUnsupported
-from megatron_lora_patch.layout_invariant.lanes import BufferLanes
+from megatron_lora_patch.layout_invariant.buffer_lanes import BufferLanes
 from megatron_lora_patch.layout_invariant.tree import LANES, canonical_sum
 
 
