@@ -9,7 +9,8 @@ and real TransformerConfigs: no world.
 - the expert-lane combine takes each lane from the one rank holding it and runs the canonical tree:
   the world-1 bits for the dp4 ep2 split, which is not a subtree ({0, 1, 4, 5} / {2, 3, 6, 7}); a
   rank-order chain (the mutation) differs; a lane held twice is refused in one line;
-- MoE settings the mode does not cover are refused with one line naming the fix.
+- MoE settings the mode does not cover are refused with one line naming the fix (the alltoall
+  dispatcher is covered, others are not).
 """
 
 from __future__ import annotations
@@ -109,7 +110,6 @@ def _moe_config(**overrides):
     ({"moe_router_topk": 3}, "use moe_router_topk <= 2"),
     ({"moe_aux_loss_coeff": 0.01, "moe_router_load_balancing_type": "aux_loss"}, "set moe_aux_loss_coeff=0"),
     ({"moe_z_loss_coeff": 0.001}, "set moe_z_loss_coeff=0"),
-    ({"moe_token_dispatcher_type": "alltoall"}, "set moe_token_dispatcher_type='allgather'"),
     ({"moe_expert_capacity_factor": 1.0}, "set moe_expert_capacity_factor=None"),
     ({"moe_shared_expert_intermediate_size": 32}, "drop them"),
 ])
@@ -124,6 +124,20 @@ def test_moe_refusals_name_the_fix(monkeypatch, overrides, fix):
     with pytest.raises(LayoutInvariantUnsupported, match="^layout_invariant: [^\n]*" + fix.replace("(", r"\(")
                        .replace(")", r"\)") + "$"):
         checks.check_moe(_moe_config(**overrides))
+
+
+def test_other_dispatchers_are_refused(monkeypatch):
+    from megatron.core import parallel_state
+
+    from megatron_lora_patch.layout_invariant import checks
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_expert_tensor_parallel_world_size", lambda: 1)
+    checks.check_moe(_moe_config(moe_token_dispatcher_type="alltoall"))
+    config = _moe_config()
+    config.moe_token_dispatcher_type = "flex"
+    with pytest.raises(LayoutInvariantUnsupported, match="set moe_token_dispatcher_type='allgather' or 'alltoall'$"):
+        checks.check_moe(config)
 
 
 @pytest.mark.parametrize("sizes, fix", [((2, 1), "tensor_model_parallel_size=1"),

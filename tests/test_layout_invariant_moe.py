@@ -4,8 +4,8 @@ BITWISE identical across EP (and DP / PP) layouts, and the test can fail (docs/a
 The oracle's MoE model (2 layers, 4 SequentialMLP experts, top-2, allgather dispatcher), 2 Megatron
 training steps, global batch 16 of micro batch 1, compared with world size 1 through the oracle's
 canonicalization: max |difference| must be exactly 0 in every phase. The same with expert chunks of
-4 tokens (several chunks per segment, so the chained chunk partials run) and with the distributed
-optimizer.
+4 tokens (several chunks per segment, so the chained chunk partials run), with the alltoall token
+dispatcher (ep2, dp4-ep2) and with the distributed optimizer.
 
 Negative controls (each must show a non-zero difference):
 - the default mode (no layout_invariant) on ep2;
@@ -98,6 +98,25 @@ def test_small_chunks_are_bitwise_equal_to_world_one():
     reference, shapes = _phases(MOE, "tp1", mutation=SMALL_CHUNKS)
     candidate, _ = _phases(MOE, "dp4-ep2", shapes, mutation=SMALL_CHUNKS)
     assert max_differences(candidate, reference) == ZERO
+
+
+def _alltoall_phases(topology_text: str, shapes=None):
+    """`_phases` with the MoE model on Megatron's alltoall token dispatcher."""
+    from megatron_lora_patch.proof.testbed.runner import run_jobs
+    from megatron_lora_patch.proof.testbed.topology import Topology
+
+    job = harness.make_job(Topology.parse(topology_text), MOE)
+    job = dataclasses.replace(job, spec=job.spec.replace(moe_token_dispatcher_type="alltoall"))
+    (records,) = run_jobs([job], timeout=600.0, warnings="ignore")
+    shapes = shapes if shapes is not None else phases.adapter_shapes(records)
+    return phases.canonical_phases(records, job.spec, shapes), shapes
+
+
+def test_alltoall_dispatcher_is_bitwise_equal_to_world_one():
+    reference, shapes = _alltoall_phases("tp1")
+    for topology in ("ep2", "dp4-ep2"):
+        candidate, _ = _alltoall_phases(topology, shapes)
+        assert max_differences(candidate, reference) == ZERO, topology
 
 
 def test_distributed_optimizer_on_experts_is_bitwise(moe_reference):

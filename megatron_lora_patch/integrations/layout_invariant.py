@@ -108,11 +108,13 @@ def patch_experts(patcher, experts) -> None:
 
 
 def patch_token_dispatcher(patcher, token_dispatcher) -> None:
-    """The allgather dispatcher hands each local expert's per-source token counts to the experts."""
+    """The allgather and alltoall dispatchers hand each local expert's per-source token counts to the experts."""
     from megatron_lora_patch.layout_invariant import experts as chunked
 
     patcher.wrap(token_dispatcher.MoEAllGatherTokenDispatcher, "dispatch_postprocess",
                  chunked.allgather_dispatch_postprocess)
+    patcher.wrap(token_dispatcher.MoEAlltoAllTokenDispatcher, "dispatch_preprocess",
+                 chunked.alltoall_dispatch_preprocess)
 
 
 def patch_schedules(patcher, schedules) -> None:

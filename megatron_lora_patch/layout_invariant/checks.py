@@ -38,8 +38,6 @@ def check_parallelism(config: Any, ddp_config: Any) -> None:
 
 #: MoE settings the mode does not cover: (config field, value it must have, why and what to set).
 _MOE_SETTINGS = (
-    ("moe_token_dispatcher_type", "allgather", "the chunked experts read the allgather dispatcher's segments; "
-     "set moe_token_dispatcher_type='allgather'"),
     ("moe_grouped_gemm", False, "grouped GEMMs size their work by the tokens each rank received; set "
      "moe_grouped_gemm=False (SequentialMLP)"),
     ("moe_expert_capacity_factor", None, "token dropping keeps a per-rank capacity; set "
@@ -52,7 +50,7 @@ _MOE_SETTINGS = (
 
 
 def check_moe(config: Any) -> None:
-    """MoE (docs/architecture.md section 7): SequentialMLP experts behind the allgather dispatcher,
+    """MoE (docs/architecture.md section 7): SequentialMLP experts behind the allgather / alltoall dispatcher,
     at tp = etp = 1, top-k <= 2, no aux / z loss, no token dropping."""
     from megatron.core import parallel_state
 
@@ -70,6 +68,9 @@ def check_moe(config: Any) -> None:
         if any(value if isinstance(value, (list, tuple)) else [value]):
             _refuse(f"{name}={value} adds a loss whose per-rank statistics change with ep; "
                     f"set {name}=0")
+    if config.moe_token_dispatcher_type not in ("allgather", "alltoall"):
+        _refuse(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}: the chunked experts read the "
+                "allgather or alltoall dispatcher's segments; set moe_token_dispatcher_type='allgather' or 'alltoall'")
     for name, wanted, why in _MOE_SETTINGS:
         if getattr(config, name, wanted) != wanted:
             _refuse(f"{name}={getattr(config, name)!r}: {why}")

@@ -5,12 +5,13 @@ Under expert parallelism an expert receives, in one microbatch step, the tokens 
 microbatches (one per DP rank of its EP group), so the shapes of its GEMMs, and the microbatches
 its weight grads mix, change with the layout. Here:
 
-- `MoEAllGatherTokenDispatcher.dispatch_postprocess` is followed by reading its `local_map`
-  (`[tokens gathered over the TP x EP group, local experts]`, sources in group rank order): how
-  many tokens each source rank sent to each local expert. The dispatcher permutes them expert
-  by expert, and within an expert in gathered order, so an expert's tokens are one contiguous
-  segment per source, in that source's token order: exactly the tokens that expert gets from
-  that source's microbatch at world size 1;
+- the dispatcher wrappers hand the experts how many tokens each source rank sent to each local
+  expert: `MoEAllGatherTokenDispatcher.dispatch_postprocess` by its `local_map` (`[tokens gathered
+  over the TP x EP group, local experts]`, sources in group rank order), `MoEAlltoAllTokenDispatcher
+  .dispatch_preprocess` by every source's routing-map column sums. Both dispatchers deliver an
+  expert's tokens as one contiguous segment per source, sources in group rank order, each in that
+  source's token order: exactly the tokens that expert gets from that source's microbatch at world
+  size 1;
 - `SequentialMLP.forward` runs each local expert on each segment in chunks of exactly
   `CHUNK_TOKENS` rows (the last one padded with zero rows, whose outputs are dropped and whose
   output grads are zero): every GEMM has the same shape on every layout, so each row and each
@@ -79,16 +80,38 @@ def _source_dp_ranks(group: Any) -> Tuple[int, ...]:
     return ranks
 
 
+def _sources(dispatcher: Any) -> Tuple[int, ...]:
+    """The DP ranks whose tokens reach this rank's experts, in the dispatcher's group rank order."""
+    if dispatcher.tp_size > 1 or dispatcher.ep_size > 1:
+        return _source_dp_ranks(dispatcher.tp_ep_group)
+    return (_own_dp_rank(),)
+
+
 def allgather_dispatch_postprocess(wrapped, instance, args, kwargs):
     """wrapt wrapper of `MoEAllGatherTokenDispatcher.dispatch_postprocess`: hand the per-source token
-    counts of each local expert to the experts' forward."""
+    counts of each local expert (read off its `local_map`) to the experts' forward."""
     result = wrapped(*args, **kwargs)
-    local_map = instance.local_map
-    gathered = instance.tp_size > 1 or instance.ep_size > 1
-    sources = _source_dp_ranks(instance.tp_ep_group) if gathered else (_own_dp_rank(),)
+    local_map, sources = instance.local_map, _sources(instance)
     counts = local_map.reshape(len(sources), -1, local_map.shape[-1]).sum(dim=1).t().tolist()
     _HANDOVER.update(segments=counts, sources=sources)
     return result
+
+
+def alltoall_dispatch_preprocess(wrapped, instance, args, kwargs):
+    """wrapt wrapper of `MoEAlltoAllTokenDispatcher.dispatch_preprocess(hidden, routing_map, probs)`:
+    the all-to-all delivers each source's tokens in EP group rank order and `sort_chunks_by_idxs`
+    groups them by local expert keeping that order, so the per-source counts of each local expert
+    are every source's routing-map column sums (one small all-gather over the TP x EP group)."""
+    routing_map = args[1] if len(args) > 1 else kwargs["routing_map"]
+    sources = _sources(instance)
+    counts = routing_map.sum(dim=0).long()
+    if len(sources) > 1:
+        pieces = [torch.empty_like(counts) for _ in sources]
+        torch.distributed.all_gather(pieces, counts, group=instance.tp_ep_group)
+        counts = torch.stack(pieces)
+    first, last = instance.local_expert_indices[0], instance.local_expert_indices[-1]
+    _HANDOVER.update(segments=counts.reshape(len(sources), -1)[:, first:last + 1].t().tolist(), sources=sources)
+    return wrapped(*args, **kwargs)
 
 
 def _own_dp_rank() -> int:
@@ -162,8 +185,8 @@ def sequential_forward(wrapped, instance, args, kwargs):
     hidden, tokens_per_expert, probs = _forward_arguments(*args, **kwargs)
     if not _HANDOVER:
         raise LayoutInvariantUnsupported(
-            "layout_invariant: SequentialMLP ran without the allgather token dispatcher's segment counts; use "
-            "moe_token_dispatcher_type='allgather'"
+            "layout_invariant: SequentialMLP ran without the token dispatcher's segment counts; use "
+            "moe_token_dispatcher_type='allgather' or 'alltoall'"
         )
     segments, sources = _HANDOVER.pop("segments"), _HANDOVER.pop("sources")
     if [sum(counts) for counts in segments] != [int(count) for count in tokens_per_expert]:

@@ -21,7 +21,8 @@ What it changes (the hooks are `megatron_lora_patch.integrations.layout_invarian
   `finish_grad_sync` and `schedules.backward_step`: each microbatch's grad goes into the lane
   of its global microbatch index; the lanes and the DP partials are summed in one canonical
   tree (an all-gather replaces DDP's all-reduce / reduce-scatter) (`layout_invariant.lanes`).
-- `SequentialMLP.forward` / `MoEAllGatherTokenDispatcher.dispatch_postprocess`: each local expert
+- `SequentialMLP.forward`, `MoEAllGatherTokenDispatcher.dispatch_postprocess`,
+  `MoEAlltoAllTokenDispatcher.dispatch_preprocess`: each local expert
   runs on each source rank's tokens in fixed-size chunks; its grads go into the lanes of their
   global microbatches, combined over all lanes under ep > 1 (`layout_invariant.experts`,
   `layout_invariant.expert_lanes`).
@@ -29,7 +30,7 @@ What it changes (the hooks are `megatron_lora_patch.integrations.layout_invarian
   SUM (their grads are complete on every rank).
 
 Not covered (refused with one line before any step): MoE at tp > 1 or etp > 1, top-k > 2, aux / z
-losses, token dropping, grouped GEMM, the alltoall dispatcher, shared experts; context parallelism, virtual
+losses, token dropping, grouped GEMM, the flex dispatcher, shared experts; context parallelism, virtual
 pipeline stages, overlapped grad reduction, several distributed-optimizer instances, DP sizes
 not dividing 8, dropout, LoRA dropout, label smoothing, trainable tied embeddings under PP,
 the legacy (non per-token) loss, deferred embedding wgrad. Transformer Engine linears are not
