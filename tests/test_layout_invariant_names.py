@@ -3,8 +3,8 @@
 - the former name `tp_invariant` still works everywhere a patch is named (the `enable`
   argument, `MEGATRON_LORA_PATCH_TP_INVARIANT`, `MEGATRON_LORA_DISABLED_PATCHES`) and in the
   oracle (`--tp-invariant`), each with a one-line deprecation warning;
-- `--layout-invariant` runs 16 layouts by default: tp 1/2/4 x dp 1/2/4 x pp 1/2 with and without
-  sp, at most 8 ranks, at a global batch of two microbatches per lane;
+- `--layout-invariant` runs 20 layouts by default: tp 1/2/4 x dp 1/2/4 x pp 1/2 with and without
+  sp, at most 8 ranks, and MoE at ep 2/4 (with dp4, pp2), at a global batch of two microbatches per lane;
 - what the mode does not cover stops the run with one line naming the fix, before any
   optimizer step (a real world of one rank, real TransformerConfigs).
 """
@@ -63,6 +63,7 @@ def test_oracle_flag_its_deprecated_alias_and_its_default_matrix(capsys):
     assert len(set(topologies)) >= 16 and max(topology.world_size for topology in parsed) <= 8
     assert {t.tp for t in parsed} | {1} == {1, 2, 4} and {t.dp for t in parsed} | {1} == {1, 2, 4}
     assert {t.pp for t in parsed} == {1, 2} and {t.sp for t in parsed} == {False, True}
+    assert {t.ep for t in parsed} == {1, 2, 4} and {t.etp for t in parsed} == {1}
     assert settings.global_batch_size == 2 * LANES
 
 

@@ -13,8 +13,8 @@ import tempfile
 
 #: Runs in under 3 minutes on 2 CPU cores: every parallel dimension once, 2 ranks each.
 DEFAULT_TOPOLOGIES = ("tp2", "tp2-sp", "dp2", "pp2", "cp2", "ep2", "tp2-etp2-sp")
-#: `--layout-invariant`'s default: 16 layouts of tp {1, 2, 4} x dp {1, 2, 4} x pp {1, 2}, with and without sp,
-#: up to 8 ranks (docs/architecture.md section 7).
+#: `--layout-invariant`'s default: 16 dense layouts of tp {1, 2, 4} x dp {1, 2, 4} x pp {1, 2}, with and without
+#: sp, up to 8 ranks, and 4 MoE layouts of ep {2, 4} with dp and pp, 2 to 4 ranks (docs/architecture.md section 7).
 LAYOUT_TOPOLOGIES = (
     "tp2",
     "tp2-sp",
@@ -32,6 +32,10 @@ LAYOUT_TOPOLOGIES = (
     "tp2-pp2-dp2-sp",
     "tp2-dp4",
     "tp4-dp2-sp",
+    "ep2",
+    "ep4",
+    "dp4-ep2",
+    "pp2-ep2",
 )
 #: `--layout-invariant`'s global batch: two microbatches in each of the 8 lanes of its reduction tree.
 LAYOUT_GLOBAL_BATCH = 16
@@ -76,7 +80,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--topologies",
         default="default",
         help="comma list of topology specs (tp2-sp, dp2, pp2, ep2-dp2, tp2-ep2-etp2-sp, cp2, ...), "
-        f"'default' ({','.join(DEFAULT_TOPOLOGIES)}; with --layout-invariant {len(LAYOUT_TOPOLOGIES)} tp/sp/dp/pp "
+        f"'default' ({','.join(DEFAULT_TOPOLOGIES)}; with --layout-invariant {len(LAYOUT_TOPOLOGIES)} tp/sp/dp/pp/ep "
         f"layouts) or 'all' ({len(ALL_TOPOLOGIES)} topologies, up to 8 ranks)",
     )
     parser.add_argument("--mutations", default="none", help="none, all, or a comma list of mutation names")
@@ -95,7 +99,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--layout-invariant",
         action="store_true",
-        help="run with the layout_invariant patch; pass only on bitwise-identical results (tp, sp, dp, pp topologies)",
+        help="run with the layout_invariant patch; pass only on bitwise-identical results (tp, sp, dp, pp "
+        "topologies; MoE with ep at tp1)",
     )
     parser.add_argument("--tp-invariant", action="store_true", help="deprecated name of --layout-invariant")
     parser.add_argument("--timeout", default="600", help="seconds per run before a world is killed (default 600)")

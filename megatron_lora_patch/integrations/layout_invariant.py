@@ -1,7 +1,7 @@
 """The hooks the `layout_invariant` patch installs (docs/architecture.md section 7): the per-layer
 TP-invariant math (`tp_invariant.linear`, `loss`, `grad_norm`) and, for DP / PP, Megatron DDP's grad
 accumulation and DP reduction in the canonical tree plus the microbatch numbering in the schedules
-(`layout_invariant.lanes`).
+(`layout_invariant.lanes`), and MoE experts on fixed token chunks (`layout_invariant.experts`).
 """
 
 from __future__ import annotations
@@ -89,6 +89,23 @@ def patch_ddp(patcher, ddp) -> None:
     patcher.wrap(owner, "finish_grad_sync", lanes.finish_grad_sync)
     _STATE["active"] = True
     patcher.on_revert(lambda: _STATE.update(active=False))
+
+
+def patch_experts(patcher, experts) -> None:
+    """SequentialMLP experts on fixed-size token chunks per global microbatch (`layout_invariant.experts`)."""
+    from megatron_lora_patch.layout_invariant import experts as chunked
+
+    patcher.wrap(experts.SequentialMLP, "forward", chunked.sequential_forward)
+
+
+def patch_token_dispatcher(patcher, token_dispatcher) -> None:
+    """The allgather and alltoall dispatchers hand each local expert's per-source token counts to the experts."""
+    from megatron_lora_patch.layout_invariant import experts as chunked
+
+    patcher.wrap(token_dispatcher.MoEAllGatherTokenDispatcher, "dispatch_postprocess",
+                 chunked.allgather_dispatch_postprocess)
+    patcher.wrap(token_dispatcher.MoEAlltoAllTokenDispatcher, "dispatch_preprocess",
+                 chunked.alltoall_dispatch_preprocess)
 
 
 def patch_schedules(patcher, schedules) -> None:

@@ -1,13 +1,15 @@
 """Layout-invariant mode: the same bits on any TP x DP x PP layout (docs/architecture.md section 7).
 
 Grown from the TP-invariant mode (`megatron_lora_patch.tp_invariant`, which keeps the per-layer
-math); this package adds what data and pipeline parallelism change:
+math); this package adds what data, pipeline and expert parallelism change:
 - `tree`: the canonical reduction tree over global microbatches (lanes, subtree property);
-- `lanes`: per-microbatch adapter grads summed into lanes instead of Megatron's running
-  `main_grad`, and the DP all-gather of lane partials that replaces DDP's all-reduce;
+- `lanes` (hooks) and `buffer_lanes`: per-microbatch adapter grads summed into lanes instead of
+  Megatron's running `main_grad`, and the DP all-gather of lane partials that replaces DDP's all-reduce;
+- `experts` and `expert_lanes`: MoE experts on fixed-size token chunks per global microbatch, and
+  the all-lane combine of expert-parallel buffers;
 - `losses`: the reported loss reduced over global microbatches in one fixed order;
 - `checks`: the one-line refusals of what the mode does not cover;
-- `hooks`: what the `layout_invariant` patch installs on Megatron-Core's DDP and schedules.
+- (`integrations.layout_invariant` holds what the `layout_invariant` patch installs on Megatron-Core.)
 """
 
 from megatron_lora_patch.tp_invariant import TPInvariantUnsupported

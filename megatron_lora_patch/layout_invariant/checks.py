@@ -15,16 +15,15 @@ def _refuse(problem: str) -> None:
 
 
 def check_parallelism(config: Any, ddp_config: Any) -> None:
-    """Context / expert / virtual-pipeline parallelism, DP sizes off the lanes, overlapped or
+    """Context / virtual-pipeline parallelism, MoE (`check_moe`), DP sizes off the lanes, overlapped or
     multi-instance grad reduction."""
     from megatron.core import parallel_state
 
     if parallel_state.get_context_parallel_world_size() > 1:
         _refuse("context parallelism splits attention's softmax sums across ranks (its combine order changes "
                 "with cp); run the mode with context_parallel_size=1")
-    if parallel_state.get_expert_model_parallel_world_size() > 1 or getattr(config, "num_moe_experts", None):
-        _refuse("MoE experts are not covered (token counts per expert rank change the GEMM shapes); "
-                "turn the layout_invariant patch off for MoE models")
+    if getattr(config, "num_moe_experts", None):
+        check_moe(config)
     if getattr(config, "virtual_pipeline_model_parallel_size", None):
         _refuse("virtual pipeline stages interleave microbatches across chunks; drop "
                 "virtual_pipeline_model_parallel_size")
@@ -35,6 +34,46 @@ def check_parallelism(config: Any, ddp_config: Any) -> None:
         _refuse("several distributed-optimizer instances reduce in two levels; set "
                 "num_distributed_optimizer_instances=1")
     check_dp_size(parallel_state.get_data_parallel_world_size())
+
+
+#: MoE settings the mode does not cover: (config field, value it must have, why and what to set).
+_MOE_SETTINGS = (
+    ("moe_grouped_gemm", False, "grouped GEMMs size their work by the tokens each rank received; set "
+     "moe_grouped_gemm=False (SequentialMLP)"),
+    ("moe_expert_capacity_factor", None, "token dropping keeps a per-rank capacity; set "
+     "moe_expert_capacity_factor=None"),
+    ("moe_pad_expert_input_to_capacity", False, "padding to capacity follows per-rank counts; turn it off"),
+    ("moe_apply_probs_on_input", False, "set moe_apply_probs_on_input=False"),
+    ("moe_shared_expert_intermediate_size", None, "shared experts are not proven bit-exact yet; drop them"),
+    ("moe_router_enable_expert_bias", False, "the expert-bias update is not proven bit-exact yet; turn it off"),
+)
+
+
+def check_moe(config: Any) -> None:
+    """MoE (docs/architecture.md section 7): SequentialMLP experts behind the allgather / alltoall dispatcher,
+    at tp = etp = 1, top-k <= 2, no aux / z loss, no token dropping."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        _refuse("MoE with tp > 1 routes sequence-parallel token shards whose router GEMM shapes change with tp; "
+                "run MoE models at tensor_model_parallel_size=1 (ep and dp are covered)")
+    if parallel_state.get_expert_tensor_parallel_world_size() > 1:
+        _refuse("expert tensor parallelism (etp > 1) is not covered: its column dgrad would be summed twice by "
+                "the dispatcher; set expert_tensor_parallel_size=1")
+    if config.moe_router_topk > 2:
+        _refuse(f"top-{config.moe_router_topk} routing sums 3+ expert outputs per token in an ep-dependent "
+                "order; use moe_router_topk <= 2")
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        value = getattr(config, name, None)
+        if any(value if isinstance(value, (list, tuple)) else [value]):
+            _refuse(f"{name}={value} adds a loss whose per-rank statistics change with ep; "
+                    f"set {name}=0")
+    if config.moe_token_dispatcher_type not in ("allgather", "alltoall"):
+        _refuse(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}: the chunked experts read the "
+                "allgather or alltoall dispatcher's segments; set moe_token_dispatcher_type='allgather' or 'alltoall'")
+    for name, wanted, why in _MOE_SETTINGS:
+        if getattr(config, name, wanted) != wanted:
+            _refuse(f"{name}={getattr(config, name)!r}: {why}")
 
 
 def check_training(config: Any, module: Any) -> None:

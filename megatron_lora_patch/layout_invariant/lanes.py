@@ -24,14 +24,14 @@ from __future__ import annotations
 import weakref
 from typing import Any, Dict, Optional
 
-import torch
-import torch.distributed
-
 from megatron_lora_patch.layout_invariant import LayoutInvariantUnsupported
-from megatron_lora_patch.layout_invariant.tree import canonical_sum, lane_of, rank_lanes
+from megatron_lora_patch.layout_invariant.buffer_lanes import BufferLanes
+from megatron_lora_patch.layout_invariant.expert_lanes import ExpertBufferLanes
 
 #: DDP module -> {param: its BufferLanes}
 _LANES_OF: "weakref.WeakKeyDictionary[Any, Dict[Any, BufferLanes]]" = weakref.WeakKeyDictionary()
+#: Attribute naming a parameter's BufferLanes (the expert path adds grads by parameter alone).
+LANES_ATTRIBUTE = "layout_invariant_lanes"
 
 
 class _Microbatches:
@@ -48,52 +48,6 @@ class _Microbatches:
 MICROBATCHES = _Microbatches()
 
 
-class BufferLanes:
-    """This rank's lane sums of one DDP grad buffer, each flat and laid out like `buffer.grad_data`."""
-
-    def __init__(self, buffer: Any) -> None:
-        self.buffer = buffer
-        self.group = buffer.data_parallel_group
-        self.dp_rank = torch.distributed.get_rank(self.group)
-        self.dp_size = torch.distributed.get_world_size(self.group)
-        self.lanes = rank_lanes(self.dp_rank, self.dp_size)
-        self.flat: Dict[int, torch.Tensor] = {}
-        self.used: set = set()
-        self.ranges = {param: buffer.param_index_map[param][:2] for param in buffer.params}
-        for param, (start, _) in self.ranges.items():
-            if param.main_grad.data_ptr() != buffer.grad_data[start:].data_ptr():
-                raise LayoutInvariantUnsupported(
-                    "layout_invariant: a parameter's main_grad is not a view of its DDP grad buffer (this "
-                    "Megatron-Core lays grads out differently); turn the layout_invariant patch off"
-                )
-
-    def add(self, param: Any, grad: torch.Tensor, microbatch: int) -> None:
-        """Add one microbatch's `grad` of `param` into that microbatch's lane."""
-        lane = lane_of(microbatch, self.dp_rank, self.dp_size)
-        flat = self.flat.get(lane)
-        if flat is None:
-            flat = self.flat[lane] = torch.zeros_like(self.buffer.grad_data)
-        elif lane not in self.used:
-            flat.zero_()
-        self.used.add(lane)
-        start, end = self.ranges[param]
-        flat[start:end].view(param.shape).add_(grad)
-
-    def reset(self) -> None:
-        self.used.clear()
-
-    def reduce_into_grad_buffer(self) -> None:
-        """grad_data = the canonical tree over every global microbatch, identical on every DP rank."""
-        partial = canonical_sum([self.flat[lane] if lane in self.used else None for lane in self.lanes])
-        if partial is None:
-            partial = torch.zeros_like(self.buffer.grad_data)
-        if self.dp_size > 1:
-            pieces = [torch.empty_like(partial) for _ in range(self.dp_size)]
-            torch.distributed.all_gather(pieces, partial.contiguous(), group=self.group)
-            partial = canonical_sum(pieces)
-        self.buffer.grad_data.copy_(partial)
-
-
 def _lanes(ddp: Any) -> Dict[Any, BufferLanes]:
     """{param: its BufferLanes} of a DDP module, built on first use (the first `zero_grad_buffer` of a
     step, at the latest its first grad) after the mode's checks (`layout_invariant.checks`)."""
@@ -104,11 +58,26 @@ def _lanes(ddp: Any) -> Dict[Any, BufferLanes]:
         checks.check_parallelism(ddp.config, ddp.ddp_config)
         checks.check_training(ddp.config, ddp.module)
         per_param = {}
-        for buffer in ddp.buffers:
-            lanes = BufferLanes(buffer)
+        buffers = [(buffer, BufferLanes) for buffer in ddp.buffers]
+        buffers += [(buffer, ExpertBufferLanes) for buffer in getattr(ddp, "expert_parallel_buffers", ())]
+        for buffer, kind in buffers:
+            lanes = kind(buffer)
             per_param.update(dict.fromkeys(lanes.ranges, lanes))
         _LANES_OF[ddp] = per_param
+        for param, lanes in per_param.items():
+            setattr(param, LANES_ATTRIBUTE, lanes)
     return per_param
+
+
+def lanes_of_param(param: Any) -> BufferLanes:
+    """The lanes of a parameter some DDP module owns (built at its first `zero_grad_buffer`)."""
+    lanes = getattr(param, LANES_ATTRIBUTE, None)
+    if lanes is None:
+        raise LayoutInvariantUnsupported(
+            "layout_invariant: an expert parameter's grad arrived before its DDP module's first zero_grad_buffer "
+            "(or the parameter is not wrapped in Megatron DDP); wrap the model in DDP and zero its grad buffer"
+        )
+    return lanes
 
 
 def make_backward_post_hook(wrapped, instance, args, kwargs):

@@ -1,5 +1,5 @@
 """`layout_invariant`: bitwise-identical LoRA training across TP = 1/2/4 (with or without SP),
-DP = 1/2/4/8 and PP = 1/2/... with a fixed global batch and micro batch size (opt-in).
+DP = 1/2/4/8, PP = 1/2/... and (MoE, tp = 1) EP = 1/2/4 with a fixed global batch and micro batch size (opt-in).
 
 docs/architecture.md section 7; the TP techniques from Megatron-LM #4740 (dense full training
 there), extended to the LoRA branch, data and pipeline parallelism. Turn it on in every rank,
@@ -22,10 +22,16 @@ What it changes (the hooks are `megatron_lora_patch.integrations.layout_invarian
   `finish_grad_sync` and `schedules.backward_step`: each microbatch's grad goes into the lane
   of its global microbatch index; the lanes and the DP partials are summed in one canonical
   tree (an all-gather replaces DDP's all-reduce / reduce-scatter) (`layout_invariant.lanes`).
+- `SequentialMLP.forward`, `MoEAllGatherTokenDispatcher.dispatch_postprocess`,
+  `MoEAlltoAllTokenDispatcher.dispatch_preprocess`: each local expert
+  runs on each source rank's tokens in fixed-size chunks; its grads go into the lanes of their
+  global microbatches, combined over all lanes under ep > 1 (`layout_invariant.experts`,
+  `layout_invariant.expert_lanes`).
 - `lora.grad_sync.set_complete_domains({"tp"})`: dense replicated factors leave the finalize
   SUM (their grads are complete on every rank).
 
-Not covered (refused with one line before any step): MoE experts, context parallelism, virtual
+Not covered (refused with one line before any step): MoE at tp > 1 or etp > 1, top-k > 2, aux / z
+losses, token dropping, grouped GEMM, the flex dispatcher, shared experts; context parallelism, virtual
 pipeline stages, overlapped grad reduction, several distributed-optimizer instances, DP sizes
 not dividing 8, dropout, LoRA dropout, label smoothing, trainable tied embeddings under PP,
 the legacy (non per-token) loss, deferred embedding wgrad. Transformer Engine linears are not
@@ -50,6 +56,8 @@ SPEC = PatchSpec(
         "megatron.core.optimizer.optimizer": hooks.patch_optimizer,
         "megatron.core.distributed.distributed_data_parallel": hooks.patch_ddp,
         "megatron.core.pipeline_parallel.schedules": hooks.patch_schedules,
+        "megatron.core.transformer.moe.experts": hooks.patch_experts,
+        "megatron.core.transformer.moe.token_dispatcher": hooks.patch_token_dispatcher,
     },
     versions=">=0.14,<0.20",
     default=False,

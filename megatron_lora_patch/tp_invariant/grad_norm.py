@@ -20,8 +20,9 @@ Cost: ONE all-gather per (TP group, dtype) per step, of every sharded trainable 
 flattened into one buffer (for LoRA: the sharded factor grads only). Summing per-rank
 float64 partial sums instead (one scalar all-reduce) is not bitwise: it changes the
 float64 summation order with the TP degree (measured: it differs from the TP = 1 norm in
-the last bits); plus, under PP, one all-gather of one float64 per parameter. Not supported
-(the functions raise): experts, the precision-aware optimizer.
+the last bits); plus, under PP, one all-gather of one float64 per parameter, and under EP one
+of one float64 per expert parameter (each EP rank holds other experts). Not supported (the
+functions raise): the precision-aware optimizer.
 """
 
 from __future__ import annotations
@@ -53,8 +54,6 @@ def _tp_group(param: Any) -> Any:
 
 
 def _check_param(param: Any) -> None:
-    if not getattr(param, "allreduce", True):
-        raise TPInvariantUnsupported("tp_invariant: expert parameters (MoE) are not supported")
     if getattr(param, "tensor_model_parallel", False) or not getattr(param, "sequence_parallel", False):
         return
     if torch.distributed.get_world_size(_tp_group(param)) > 1:
@@ -133,7 +132,23 @@ def logical_grad_norm(optimizers: Iterable[Any]) -> float:
     for param, _ in normed:
         _check_param(param)
     squares = [grad.double().square().sum() for grad in _logical_grads(normed)]
-    return math.sqrt(_pipeline_fsum(squares))
+    dense = [value for (param, _), value in zip(normed, squares) if getattr(param, "allreduce", True)]
+    experts = [value for (param, _), value in zip(normed, squares) if not getattr(param, "allreduce", True)]
+    return math.sqrt(_pipeline_fsum(dense + _expert_parallel_values(experts)))
+
+
+def _expert_parallel_values(values: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The float64 values of this rank's expert-parallel parameters and those of the other EP ranks
+    (each holds other experts; every EP rank has the same number of expert parameters)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_expert_model_parallel_group()
+    if not values or torch.distributed.get_world_size(group) == 1:
+        return values
+    local = torch.stack(values)
+    pieces = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(pieces, local, group=group)
+    return list(torch.cat(pieces))
 
 
 def get_grad_norm(wrapped, instance, args, kwargs):

@@ -56,10 +56,10 @@ def _linear_arguments(
 
 
 def _check_supported(layer: Any) -> None:
-    if getattr(layer, "is_expert", False) or getattr(layer, "explicit_expert_comm", False):
+    expert = getattr(layer, "is_expert", False) or getattr(layer, "explicit_expert_comm", False)
+    if expert and torch.distributed.get_world_size(layer.tp_group) > 1:  # etp = 1: layout_invariant.experts
         raise TPInvariantUnsupported(
-            "tp_invariant supports dense tensor/sequence parallelism only; expert layers (MoE EP/ETP) are not "
-            "TP-invariant yet: turn the tp_invariant patch off for MoE models"
+            "tp_invariant: expert tensor parallelism (etp > 1) is not covered; set expert_tensor_parallel_size=1"
         )
     if getattr(layer, "disable_grad_reduce", False):
         raise TPInvariantUnsupported("tp_invariant: layers built with disable_grad_reduce=True are not supported")

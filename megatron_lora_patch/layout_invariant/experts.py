@@ -1,0 +1,208 @@
+"""MoE experts in the layout-invariant mode: fixed-size token chunks per global microbatch
+(docs/architecture.md section 7).
+
+Under expert parallelism an expert receives, in one microbatch step, the tokens of several global
+microbatches (one per DP rank of its EP group), so the shapes of its GEMMs, and the microbatches
+its weight grads mix, change with the layout. Here:
+
+- the dispatcher wrappers hand the experts how many tokens each source rank sent to each local
+  expert: `MoEAllGatherTokenDispatcher.dispatch_postprocess` by its `local_map` (`[tokens gathered
+  over the TP x EP group, local experts]`, sources in group rank order), `MoEAlltoAllTokenDispatcher
+  .dispatch_preprocess` by every source's routing-map column sums. Both dispatchers deliver an
+  expert's tokens as one contiguous segment per source, sources in group rank order, each in that
+  source's token order: exactly the tokens that expert gets from that source's microbatch at world
+  size 1;
+- `SequentialMLP.forward` runs each local expert on each segment in chunks of exactly
+  `CHUNK_TOKENS` rows (the last one padded with zero rows, whose outputs are dropped and whose
+  output grads are zero): every GEMM has the same shape on every layout, so each row and each
+  chunk's weight-grad partial are the same bits;
+- backward (`_ExpertSegment`) takes each chunk's grads with `torch.autograd.grad`, chains the
+  chunks' weight grads in order and adds the sum into the lane of the segment's global microbatch
+  `g = i * dp + source DP rank` (`i`: the local microbatch whose backward runs, the same on all EP
+  ranks); the expert's parameters never get `.grad`, so DDP's own hook does not see them
+  (`layout_invariant.expert_lanes` combines their lanes).
+
+Combining a token's top-k expert outputs stays Megatron's: a scatter-add into zeros, then under EP
+a reduce-scatter over the TP x EP group in which every other rank adds exact zeros; with top-k <= 2
+that is `0 + a + b` in any order, the same bits (`checks` refuses larger k). Cost: padding (up to
+`CHUNK_TOKENS - 1` rows per expert, source and microbatch) and one autograd graph per chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed
+
+from megatron_lora_patch.layout_invariant import LayoutInvariantUnsupported
+
+#: Rows of every expert GEMM: a segment of n tokens runs as ceil(n / CHUNK_TOKENS) chunks of this size.
+CHUNK_TOKENS = 64
+
+#: {"segments": per local expert, the token count of each source rank; "sources": their DP ranks},
+#: set by the dispatcher wrapper and taken by the experts' forward that follows it.
+_HANDOVER: Dict[str, Any] = {}
+#: group -> the dense DP rank of each member, in group rank order (one all-gather per group).
+_SOURCE_DP_RANKS: Dict[Any, Tuple[int, ...]] = {}
+
+
+def chunk_bounds(count: int, chunk: int) -> List[Tuple[int, int]]:
+    """The `(start, stop)` rows of each chunk of a `count`-row segment; the last may be short (padded)."""
+    return [(start, min(start + chunk, count)) for start in range(0, count, chunk)]
+
+
+def padded(rows: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`rows` followed by zero rows up to `chunk` rows."""
+    if rows.shape[0] == chunk:
+        return rows
+    return torch.cat([rows, rows.new_zeros((chunk - rows.shape[0],) + tuple(rows.shape[1:]))])
+
+
+def chained(items: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+    """`((items[0] + items[1]) + items[2]) + ...`, skipping None; None when every item is None."""
+    total = None
+    for item in items:
+        if item is not None:
+            total = item.clone() if total is None else total.add_(item)
+    return total
+
+
+def _source_dp_ranks(group: Any) -> Tuple[int, ...]:
+    from megatron.core import parallel_state
+
+    ranks = _SOURCE_DP_RANKS.get(group)
+    if ranks is None:
+        mine = torch.tensor([parallel_state.get_data_parallel_rank()])
+        pieces = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(pieces, mine, group=group)
+        ranks = _SOURCE_DP_RANKS[group] = tuple(int(piece) for piece in pieces)
+    return ranks
+
+
+def _sources(dispatcher: Any) -> Tuple[int, ...]:
+    """The DP ranks whose tokens reach this rank's experts, in the dispatcher's group rank order."""
+    if dispatcher.tp_size > 1 or dispatcher.ep_size > 1:
+        return _source_dp_ranks(dispatcher.tp_ep_group)
+    return (_own_dp_rank(),)
+
+
+def allgather_dispatch_postprocess(wrapped, instance, args, kwargs):
+    """wrapt wrapper of `MoEAllGatherTokenDispatcher.dispatch_postprocess`: hand the per-source token
+    counts of each local expert (read off its `local_map`) to the experts' forward."""
+    result = wrapped(*args, **kwargs)
+    local_map, sources = instance.local_map, _sources(instance)
+    counts = local_map.reshape(len(sources), -1, local_map.shape[-1]).sum(dim=1).t().tolist()
+    _HANDOVER.update(segments=counts, sources=sources)
+    return result
+
+
+def alltoall_dispatch_preprocess(wrapped, instance, args, kwargs):
+    """wrapt wrapper of `MoEAlltoAllTokenDispatcher.dispatch_preprocess(hidden, routing_map, probs)`:
+    the all-to-all delivers each source's tokens in EP group rank order and `sort_chunks_by_idxs`
+    groups them by local expert keeping that order, so the per-source counts of each local expert
+    are every source's routing-map column sums (one small all-gather over the TP x EP group)."""
+    routing_map = args[1] if len(args) > 1 else kwargs["routing_map"]
+    sources = _sources(instance)
+    counts = routing_map.sum(dim=0).long()
+    if len(sources) > 1:
+        pieces = [torch.empty_like(counts) for _ in sources]
+        torch.distributed.all_gather(pieces, counts, group=instance.tp_ep_group)
+        counts = torch.stack(pieces)
+    first, last = instance.local_expert_indices[0], instance.local_expert_indices[-1]
+    _HANDOVER.update(segments=counts.reshape(len(sources), -1)[:, first:last + 1].t().tolist(), sources=sources)
+    return wrapped(*args, **kwargs)
+
+
+def _own_dp_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank()
+
+
+class _ExpertSegment(torch.autograd.Function):
+    """One expert on one source's tokens, in fixed chunks; backward adds the chained weight grads
+    into the lane of the source's global microbatch."""
+
+    @staticmethod
+    def forward(ctx, tokens, probs, expert, source_dp_rank):
+        ctx.params = [param for param in expert.parameters() if param.requires_grad]
+        ctx.source_dp_rank, ctx.rows, ctx.chunks = source_dp_rank, tokens.shape[0], []
+        outputs = []
+        for start, stop in chunk_bounds(tokens.shape[0], CHUNK_TOKENS):
+            with torch.enable_grad():
+                chunk_tokens = padded(tokens[start:stop].detach(), CHUNK_TOKENS).requires_grad_()
+                chunk_probs = padded(probs[start:stop].detach(), CHUNK_TOKENS).requires_grad_()
+                output, _ = expert(chunk_tokens, chunk_probs)
+            ctx.chunks.append((chunk_tokens, chunk_probs, output))
+            outputs.append(output.detach()[: stop - start])
+        return torch.cat(outputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_tokens, grad_probs, per_chunk = [], [], []
+        for (start, stop), (chunk_tokens, chunk_probs, output) in zip(
+            chunk_bounds(ctx.rows, CHUNK_TOKENS), ctx.chunks
+        ):
+            grads = torch.autograd.grad(output, [chunk_tokens, chunk_probs, *ctx.params],
+                                        padded(grad[start:stop], CHUNK_TOKENS), allow_unused=True)
+            grad_tokens.append(grads[0][: stop - start])
+            grad_probs.append(grads[1][: stop - start])
+            per_chunk.append(grads[2:])
+        ctx.chunks = []
+        _add_to_lanes(ctx.params, per_chunk, ctx.source_dp_rank)
+        return torch.cat(grad_tokens), torch.cat(grad_probs), None, None
+
+
+def _add_to_lanes(params: List[Any], per_chunk: List[tuple], source_dp_rank: int) -> None:
+    from megatron.core import parallel_state
+
+    from megatron_lora_patch.layout_invariant.lanes import MICROBATCHES, lanes_of_param
+
+    if MICROBATCHES.current is None:
+        raise LayoutInvariantUnsupported(
+            "layout_invariant: an expert's backward ran outside Megatron's schedule (backward_step), so its "
+            "global microbatch is unknown; run backward through get_forward_backward_func()"
+        )
+    microbatch = MICROBATCHES.current * parallel_state.get_data_parallel_world_size() + source_dp_rank
+    for index, param in enumerate(params):
+        total = chained([grads[index] for grads in per_chunk])
+        if total is not None:
+            lanes_of_param(param).add_global(param, total, microbatch)
+
+
+def _run_segment(expert: Any, tokens: torch.Tensor, probs: torch.Tensor, source_dp_rank: int) -> torch.Tensor:
+    if torch.is_grad_enabled():
+        return _ExpertSegment.apply(tokens, probs, expert, source_dp_rank)
+    outputs = [expert(padded(tokens[start:stop], CHUNK_TOKENS), padded(probs[start:stop], CHUNK_TOKENS))[0]
+               [: stop - start] for start, stop in chunk_bounds(tokens.shape[0], CHUNK_TOKENS)]
+    return torch.cat(outputs)
+
+
+def sequential_forward(wrapped, instance, args, kwargs):
+    """wrapt wrapper of `SequentialMLP.forward(hidden, tokens_per_expert, probs)`: every local expert
+    on every source segment in fixed chunks; returns `(output, None)` as Megatron does."""
+    hidden, tokens_per_expert, probs = _forward_arguments(*args, **kwargs)
+    if not _HANDOVER:
+        raise LayoutInvariantUnsupported(
+            "layout_invariant: SequentialMLP ran without the token dispatcher's segment counts; use "
+            "moe_token_dispatcher_type='allgather' or 'alltoall'"
+        )
+    segments, sources = _HANDOVER.pop("segments"), _HANDOVER.pop("sources")
+    if [sum(counts) for counts in segments] != [int(count) for count in tokens_per_expert]:
+        raise LayoutInvariantUnsupported(
+            "layout_invariant: the experts' token counts do not match the dispatcher's routing map; "
+            "turn the layout_invariant patch off for this MoE set-up"
+        )
+    outputs, start = [], 0
+    for expert, counts in zip(instance.local_experts, segments):
+        for source_dp_rank, count in zip(sources, counts):
+            if count:
+                stop = start + count
+                outputs.append(_run_segment(expert, hidden[start:stop], probs[start:stop], source_dp_rank))
+                start = stop
+    return (torch.cat(outputs) if outputs else hidden[:0]), None
+
+
+def _forward_arguments(permuted_local_hidden_states, tokens_per_expert, permuted_probs, **unused):
+    return permuted_local_hidden_states, tokens_per_expert, permuted_probs
