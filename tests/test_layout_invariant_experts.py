@@ -102,7 +102,8 @@ def _moe_config(**overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     base = dict(num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=4, moe_router_topk=2,
-                moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+                moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
+                add_bias_linear=False)
     return TransformerConfig(**{**base, **overrides})
 
 
@@ -112,6 +113,7 @@ def _moe_config(**overrides):
     ({"moe_z_loss_coeff": 0.001}, "set moe_z_loss_coeff=0"),
     ({"moe_expert_capacity_factor": 1.0}, "set moe_expert_capacity_factor=None"),
     ({"moe_shared_expert_intermediate_size": 32}, "drop them"),
+    ({"add_bias_linear": True}, "set add_bias_linear=False"),
 ])
 def test_moe_refusals_name_the_fix(monkeypatch, overrides, fix):
     from megatron.core import parallel_state
@@ -140,8 +142,9 @@ def test_other_dispatchers_are_refused(monkeypatch):
         checks.check_moe(config)
 
 
-@pytest.mark.parametrize("sizes, fix", [((2, 1), "tensor_model_parallel_size=1"),
-                                        ((1, 2), "expert_tensor_parallel_size=1")])
+@pytest.mark.parametrize("sizes, fix", [((2, 1, 2), "tensor_model_parallel_size=1"),
+                                        ((1, 4, 2), "expert_tensor_parallel_size to 1 or 2"),
+                                        ((1, 2, 1), "expert_tensor_parallel_size=1")])
 def test_moe_parallel_refusals_name_the_fix(monkeypatch, sizes, fix):
     from megatron.core import parallel_state
 
@@ -149,5 +152,17 @@ def test_moe_parallel_refusals_name_the_fix(monkeypatch, sizes, fix):
 
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: sizes[0])
     monkeypatch.setattr(parallel_state, "get_expert_tensor_parallel_world_size", lambda: sizes[1])
+    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: sizes[2])
     with pytest.raises(LayoutInvariantUnsupported, match="^layout_invariant: [^\n]*" + fix):
         checks.check_moe(_moe_config())
+
+
+def test_etp2_with_ep2_is_accepted(monkeypatch):
+    from megatron.core import parallel_state
+
+    from megatron_lora_patch.layout_invariant import checks
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_expert_tensor_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 2)
+    checks.check_moe(_moe_config())

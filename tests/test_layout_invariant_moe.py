@@ -5,14 +5,17 @@ The oracle's MoE model (2 layers, 4 SequentialMLP experts, top-2, allgather disp
 training steps, global batch 16 of micro batch 1, compared with world size 1 through the oracle's
 canonicalization: max |difference| must be exactly 0 in every phase. The same with expert chunks of
 4 tokens (several chunks per segment, so the chained chunk partials run), with the alltoall token
-dispatcher (ep2, dp4-ep2) and with the distributed optimizer.
+dispatcher (ep2, dp4-ep2, ep2-etp2) and with the distributed optimizer; expert TP on ep2-etp2.
 
 Negative controls (each must show a non-zero difference):
 - the default mode (no layout_invariant) on ep2;
 - the layout mode with the expert lanes combined in rank order (each expert-DP rank chains its
   lanes, then the ranks are chained), on ep2 and dp4-ep2;
 - the layout mode with every source's tokens credited to the expert rank's own microbatch (what
-  DDP's per-rank accumulation does), on dp4-ep2.
+  DDP's per-rank accumulation does), on dp4-ep2;
+- expert TP (ep2-etp2): every ETP rank handing the dispatcher the complete expert input grad (its
+  reduce-scatter then doubles it), and the router-probability grad left to Megatron (per-ETP-rank
+  partial sums over the FFN columns, added by the dispatcher).
 """
 
 from __future__ import annotations
@@ -70,12 +73,37 @@ def _install_own_microbatch(patcher) -> None:
     patcher.replace(experts, "_source_dp_ranks", _own_microbatch_only)
 
 
+def _whole_input_grad(tensor, group):
+    return tensor
+
+
+def _install_whole_input_grad(patcher) -> None:
+    from megatron_lora_patch.tp_invariant import linear
+
+    patcher.replace(linear, "share_grad", _whole_input_grad)
+
+
+def _megatron_probs(expert, tokens, probs):
+    return expert(tokens, probs)[0]
+
+
+def _install_megatron_probs(patcher) -> None:
+    from megatron_lora_patch.layout_invariant import experts
+
+    patcher.replace(experts, "scaled_expert", _megatron_probs)
+
+
 SMALL_CHUNKS = Mutation("small_expert_chunks", "not a bug: expert chunks of 4 tokens", "ep2", model="moe",
                         install=_install_small_chunks)
 RANK_ORDER = Mutation("expert_rank_order", "expert lanes chained in rank order, not the canonical tree", "ep2",
                       model="moe", install=_install_rank_order)
 OWN_MICROBATCH = Mutation("expert_own_microbatch", "every source's expert grad in the rank's own microbatch lane",
                           "dp4-ep2", model="moe", install=_install_own_microbatch)
+
+WHOLE_INPUT_GRAD = Mutation("etp_whole_input_grad", "every ETP rank hands over the complete expert input grad",
+                            "ep2-etp2", model="moe", install=_install_whole_input_grad)
+MEGATRON_PROBS = Mutation("etp_megatron_probs", "the router-probability grad as per-ETP-rank partial sums (Megatron's)",
+                          "ep2-etp2", model="moe", install=_install_megatron_probs)
 
 
 # -- runs and comparison -----------------------------------------------------------------------
@@ -86,7 +114,7 @@ def moe_reference():
     return _phases(MOE, "tp1")
 
 
-@pytest.mark.parametrize("topology", ["ep2", "dp4-ep2", "ep2-pp2"])
+@pytest.mark.parametrize("topology", ["ep2", "dp4-ep2", "ep2-pp2", "ep2-etp2"])
 def test_moe_layout_is_bitwise_equal_to_world_one(moe_reference, topology):
     reference, shapes = moe_reference
     candidate, _ = _phases(MOE, topology, shapes)
@@ -114,7 +142,7 @@ def _alltoall_phases(topology_text: str, shapes=None):
 
 def test_alltoall_dispatcher_is_bitwise_equal_to_world_one():
     reference, shapes = _alltoall_phases("tp1")
-    for topology in ("ep2", "dp4-ep2"):
+    for topology in ("ep2", "dp4-ep2", "ep2-etp2"):
         candidate, _ = _alltoall_phases(topology, shapes)
         assert max_differences(candidate, reference) == ZERO, topology
 
@@ -125,15 +153,17 @@ def test_distributed_optimizer_on_experts_is_bitwise(moe_reference):
     assert max_differences(candidate, reference) == ZERO
 
 
-def test_default_mode_is_not_bitwise_on_ep2():
+@pytest.mark.parametrize("topology", ["ep2", "ep2-etp2"])
+def test_default_mode_is_not_bitwise(topology):
     reference, shapes = _phases(DEFAULT_MOE, "tp1")
-    candidate, _ = _phases(DEFAULT_MOE, "ep2", shapes)
+    candidate, _ = _phases(DEFAULT_MOE, topology, shapes)
     differences = max_differences(candidate, reference)
     assert max(differences.values()) > 0, differences
 
 
 @pytest.mark.parametrize("mutation, topology", [(RANK_ORDER, "ep2"), (RANK_ORDER, "dp4-ep2"),
-                                                (OWN_MICROBATCH, "dp4-ep2")])
+                                                (OWN_MICROBATCH, "dp4-ep2"), (WHOLE_INPUT_GRAD, "ep2-etp2"),
+                                                (MEGATRON_PROBS, "ep2-etp2")])
 def test_expert_mutations_are_caught(moe_reference, mutation, topology):
     reference, shapes = moe_reference
     candidate, _ = _phases(MOE, topology, shapes, mutation=mutation)
@@ -147,3 +177,5 @@ def test_oracle_refuses_moe_at_tp2():
 
     with pytest.raises(harness.OracleError, match="MoE at tp1"):
         harness.check_topology(Topology.parse("tp2-ep2-sp"), MOE)
+    with pytest.raises(harness.OracleError, match="etp > 2"):
+        harness.check_topology(Topology.parse("ep2-etp4"), MOE)

@@ -3,8 +3,8 @@
 - the former name `tp_invariant` still works everywhere a patch is named (the `enable`
   argument, `MEGATRON_LORA_PATCH_TP_INVARIANT`, `MEGATRON_LORA_DISABLED_PATCHES`) and in the
   oracle (`--tp-invariant`), each with a one-line deprecation warning;
-- `--layout-invariant` runs 20 layouts by default: tp 1/2/4 x dp 1/2/4 x pp 1/2 with and without
-  sp, at most 8 ranks, and MoE at ep 2/4 (with dp4, pp2), at a global batch of two microbatches per lane;
+- `--layout-invariant` runs 24 layouts by default: tp 1/2/4 x dp 1/2/4 x pp 1/2 with and without
+  sp, at most 8 ranks, and MoE at ep 2/4 (with dp4, pp2) and etp 1/2, at a global batch of two microbatches per lane;
 - what the mode does not cover stops the run with one line naming the fix, before any
   optimizer step (a real world of one rank, real TransformerConfigs).
 """

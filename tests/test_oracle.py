@@ -125,8 +125,8 @@ def test_layout_invariant_oracle_is_bitwise_and_refuses_what_it_cannot_do():
         assert report.passed and {p: m.rel_l2 for p, m in row.phases.items()} == dict.fromkeys(row.phases, 0.0), run
         assert {p: m.max_abs for p, m in row.phases.items()} == dict.fromkeys(row.phases, 0.0), run
     for spec, message in (
-        ("cp2", "--layout-invariant covers tp, sp, dp and pp, and MoE at tp1 with ep; cp2 also uses cp/etp"),
-        ("tp2-ep2-sp", "tp2-ep2-sp also uses cp/etp or tp with MoE"),
+        ("cp2", "--layout-invariant covers tp, sp, dp and pp, and MoE at tp1 with ep and etp <= 2; cp2 also uses cp"),
+        ("tp2-ep2-sp", "tp2-ep2-sp also uses cp, etp > 2 or tp with MoE"),
         ("dp3", "--layout-invariant needs a dp dividing 8"),
     ):
         with pytest.raises(harness.OracleError, match=re.escape(message)):

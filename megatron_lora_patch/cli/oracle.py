@@ -14,7 +14,8 @@ import tempfile
 #: Runs in under 3 minutes on 2 CPU cores: every parallel dimension once, 2 ranks each.
 DEFAULT_TOPOLOGIES = ("tp2", "tp2-sp", "dp2", "pp2", "cp2", "ep2", "tp2-etp2-sp")
 #: `--layout-invariant`'s default: 16 dense layouts of tp {1, 2, 4} x dp {1, 2, 4} x pp {1, 2}, with and without
-#: sp, up to 8 ranks, and 4 MoE layouts of ep {2, 4} with dp and pp, 2 to 4 ranks (docs/architecture.md section 7).
+#: sp, up to 8 ranks, and 8 MoE layouts of ep {2, 4} with dp and pp, at etp 1 (2 to 4 ranks) and etp 2 (4 to 8 ranks)
+#: (docs/architecture.md section 7).
 LAYOUT_TOPOLOGIES = (
     "tp2",
     "tp2-sp",
@@ -36,6 +37,10 @@ LAYOUT_TOPOLOGIES = (
     "ep4",
     "dp4-ep2",
     "pp2-ep2",
+    "ep2-etp2",
+    "ep4-etp2",
+    "dp8-ep2-etp2",
+    "pp2-ep2-etp2",
 )
 #: `--layout-invariant`'s global batch: two microbatches in each of the 8 lanes of its reduction tree.
 LAYOUT_GLOBAL_BATCH = 16

@@ -24,9 +24,10 @@ def patch_layers(patcher, layers) -> None:
             )
     patcher.wrap(layers.ColumnParallelLinear, "_forward_impl", column_forward_impl)
     patcher.wrap(layers.RowParallelLinear, "_forward_impl", row_forward_impl)
-    # Their replicated LoRA factors get complete grads on every TP rank (the tree combine over TP
-    # runs inside the layer), and the finalize SUM would multiply them by the TP size.
-    previous = grad_sync.set_complete_domains({"tp"})
+    # Their replicated LoRA factors get complete grads on every TP (and expert TP) rank (the tree
+    # combine over the layer's TP group runs inside the layer), and the finalize SUM would multiply
+    # them by the group size.
+    previous = grad_sync.set_complete_domains({"tp", "expert_tp"})
     patcher.on_revert(lambda: grad_sync.set_complete_domains(previous))
 
 

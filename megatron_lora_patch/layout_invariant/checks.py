@@ -45,21 +45,28 @@ _MOE_SETTINGS = (
     ("moe_pad_expert_input_to_capacity", False, "padding to capacity follows per-rank counts; turn it off"),
     ("moe_apply_probs_on_input", False, "set moe_apply_probs_on_input=False"),
     ("moe_shared_expert_intermediate_size", None, "shared experts are not proven bit-exact yet; drop them"),
+    ("add_bias_linear", False, "Megatron scales an expert's fc2 bias by the router probability inside the MLP, "
+     "which the mode takes over (the probabilities' grad); set add_bias_linear=False"),
     ("moe_router_enable_expert_bias", False, "the expert-bias update is not proven bit-exact yet; turn it off"),
 )
 
 
 def check_moe(config: Any) -> None:
     """MoE (docs/architecture.md section 7): SequentialMLP experts behind the allgather / alltoall dispatcher,
-    at tp = etp = 1, top-k <= 2, no aux / z loss, no token dropping."""
+    at tp = 1 and etp 1 or 2 (with ep > 1), top-k <= 2, no aux / z loss, no token dropping, no linear biases."""
     from megatron.core import parallel_state
 
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         _refuse("MoE with tp > 1 routes sequence-parallel token shards whose router GEMM shapes change with tp; "
                 "run MoE models at tensor_model_parallel_size=1 (ep and dp are covered)")
-    if parallel_state.get_expert_tensor_parallel_world_size() > 1:
-        _refuse("expert tensor parallelism (etp > 1) is not covered: its column dgrad would be summed twice by "
-                "the dispatcher; set expert_tensor_parallel_size=1")
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    if etp > 2:
+        _refuse(f"expert tensor parallelism etp={etp} is not proven (etp 1 and 2 are); set "
+                "expert_tensor_parallel_size to 1 or 2")
+    if etp > 1 and parallel_state.get_expert_model_parallel_world_size() == 1:
+        _refuse("etp > 1 without expert parallelism keeps expert weights in the dense grad buffer, which the "
+                "mode does not cover for expert TP; set expert_model_parallel_size >= 2 or "
+                "expert_tensor_parallel_size=1")
     if config.moe_router_topk > 2:
         _refuse(f"top-{config.moe_router_topk} routing sums 3+ expert outputs per token in an ep-dependent "
                 "order; use moe_router_topk <= 2")

@@ -36,6 +36,7 @@ import torch
 import torch.distributed
 
 from megatron_lora_patch.layout_invariant import LayoutInvariantUnsupported
+from megatron_lora_patch.layout_invariant.expert_probs import scaled_expert
 
 #: Rows of every expert GEMM: a segment of n tokens runs as ceil(n / CHUNK_TOKENS) chunks of this size.
 CHUNK_TOKENS = 64
@@ -133,7 +134,7 @@ class _ExpertSegment(torch.autograd.Function):
             with torch.enable_grad():
                 chunk_tokens = padded(tokens[start:stop].detach(), CHUNK_TOKENS).requires_grad_()
                 chunk_probs = padded(probs[start:stop].detach(), CHUNK_TOKENS).requires_grad_()
-                output, _ = expert(chunk_tokens, chunk_probs)
+                output = scaled_expert(expert, chunk_tokens, chunk_probs)
             ctx.chunks.append((chunk_tokens, chunk_probs, output))
             outputs.append(output.detach()[: stop - start])
         return torch.cat(outputs)
@@ -174,7 +175,7 @@ def _add_to_lanes(params: List[Any], per_chunk: List[tuple], source_dp_rank: int
 def _run_segment(expert: Any, tokens: torch.Tensor, probs: torch.Tensor, source_dp_rank: int) -> torch.Tensor:
     if torch.is_grad_enabled():
         return _ExpertSegment.apply(tokens, probs, expert, source_dp_rank)
-    outputs = [expert(padded(tokens[start:stop], CHUNK_TOKENS), padded(probs[start:stop], CHUNK_TOKENS))[0]
+    outputs = [scaled_expert(expert, padded(tokens[start:stop], CHUNK_TOKENS), padded(probs[start:stop], CHUNK_TOKENS))
                [: stop - start] for start, stop in chunk_bounds(tokens.shape[0], CHUNK_TOKENS)]
     return torch.cat(outputs)
 

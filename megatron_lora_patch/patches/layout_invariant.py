@@ -26,12 +26,14 @@ What it changes (the hooks are `megatron_lora_patch.integrations.layout_invarian
   `MoEAlltoAllTokenDispatcher.dispatch_preprocess`: each local expert
   runs on each source rank's tokens in fixed-size chunks; its grads go into the lanes of their
   global microbatches, combined over all lanes under ep > 1 (`layout_invariant.experts`,
-  `layout_invariant.expert_lanes`).
-- `lora.grad_sync.set_complete_domains({"tp"})`: dense replicated factors leave the finalize
-  SUM (their grads are complete on every rank).
+  `layout_invariant.expert_lanes`); the router probabilities are applied on `linear_fc2`'s input
+  with a canonical grad (`layout_invariant.expert_probs`).
+- `lora.grad_sync.set_complete_domains({"tp", "expert_tp"})`: replicated factors (dense and
+  expert) leave the finalize SUM (their grads are complete on every rank).
 
-Not covered (refused with one line before any step): MoE at tp > 1 or etp > 1, top-k > 2, aux / z
-losses, token dropping, grouped GEMM, the flex dispatcher, shared experts; context parallelism, virtual
+Not covered (refused with one line before any step): MoE at tp > 1, etp > 2, etp 2 without ep, top-k > 2,
+aux / z losses, token dropping, grouped GEMM, the flex dispatcher, shared experts, linear biases in MoE
+models; context parallelism, virtual
 pipeline stages, overlapped grad reduction, several distributed-optimizer instances, DP sizes
 not dividing 8, dropout, LoRA dropout, label smoothing, trainable tied embeddings under PP,
 the legacy (non per-token) loss, deferred embedding wgrad. Transformer Engine linears are not

@@ -10,6 +10,10 @@
   backward keeps this rank's slice of the (complete) gradient. No reduction: summing the
   identical copies would multiply the grad by the TP size.
 - `all_gather_logical(t, dim, stride, group)`: the plain gather.
+- `column_share(t, group)`: this rank's share of the last dimension of a tensor every rank holds
+  complete, zeros elsewhere, so a SUM over the group that follows assembles it exactly (`x + 0 == x`);
+  `share_grad(t, group)` applies it to the gradient (an expert column layer's input grad under
+  expert TP, which the token dispatcher's reduce-scatter sums over the ETP ranks).
 
 At world size 1 all are identities (the tensor itself is returned, outside autograd functions,
 so later in-place ops on it stay legal). None of them is ever applied to a base weight: no rank
@@ -55,6 +59,36 @@ def tree_all_gather(partials: List[torch.Tensor], group: Any) -> List[torch.Tens
         tree.add(piece)
     total = tree.result()
     return [part.view_as(partial) for part, partial in zip(total.split([p.numel() for p in partials]), partials)]
+
+
+def column_share(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """Rank r of n keeps the r-th n-th of the last dimension of `tensor` (complete on every rank),
+    zeros elsewhere: the SUM of the ranks' shares is `tensor`, bit for bit."""
+    world, rank = _size_and_rank(group)
+    if world == 1:
+        return tensor
+    share = tensor.new_zeros(tensor.shape)
+    columns = slice(tensor.shape[-1] * rank // world, tensor.shape[-1] * (rank + 1) // world)
+    share[..., columns] = tensor[..., columns]
+    return share
+
+
+class _ShareGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return column_share(grad, ctx.group), None
+
+
+def share_grad(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """Identity whose backward keeps this rank's `column_share` of the (complete, identical) gradient."""
+    if torch.distributed.get_world_size(group) == 1:
+        return tensor
+    return _ShareGrad.apply(tensor, group)
 
 
 def _local_shard(tensor: torch.Tensor, dim: int, stride: int, group: Any) -> torch.Tensor:

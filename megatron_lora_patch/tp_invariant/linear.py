@@ -29,6 +29,7 @@ import torch
 
 from megatron_lora_patch.lora.layers.linear import adapter_of
 from megatron_lora_patch.tp_invariant import TPInvariantUnsupported, segmented
+from megatron_lora_patch.tp_invariant.collectives import share_grad
 
 #: Attribute a patch sets on a column layer whose shards interleave two halves (SwiGLU fc1)
 #: when the weight's own `partition_stride` does not say so.
@@ -56,13 +57,20 @@ def _linear_arguments(
 
 
 def _check_supported(layer: Any) -> None:
-    expert = getattr(layer, "is_expert", False) or getattr(layer, "explicit_expert_comm", False)
-    if expert and torch.distributed.get_world_size(layer.tp_group) > 1:  # etp = 1: layout_invariant.experts
+    expert = getattr(layer, "is_expert", False)
+    if expert and torch.distributed.get_world_size(layer.tp_group) > 1 and not _dispatcher_reduced(layer):
         raise TPInvariantUnsupported(
-            "tp_invariant: expert tensor parallelism (etp > 1) is not covered; set expert_tensor_parallel_size=1"
+            "tp_invariant: an expert layer under expert TP without Megatron's explicit expert communication "
+            "is not covered; set expert_tensor_parallel_size=1"
         )
     if getattr(layer, "disable_grad_reduce", False):
         raise TPInvariantUnsupported("tp_invariant: layers built with disable_grad_reduce=True are not supported")
+
+
+def _dispatcher_reduced(layer: Any) -> bool:
+    """An expert layer whose input grad (column) or output (row) the token dispatcher sums over the
+    expert TP group (Megatron's `explicit_expert_comm`), instead of the layer itself."""
+    return getattr(layer, "explicit_expert_comm", False)
 
 
 def _check_adapter(adapter: Any) -> None:
@@ -99,6 +107,9 @@ def column_linear(layer: Any, input: torch.Tensor, weight: torch.Tensor, bias: O
         total = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=False, group=group)
     else:
         total = input  # non-SP: no dgrad all-reduce; every rank computes the complete input grad
+    if _dispatcher_reduced(layer):
+        # the dispatcher's reduce-scatter sums the input grad over ETP: each rank keeps its share of it
+        total = share_grad(total, group)
     flat = segmented.column_linear(total.reshape(-1, total.shape[-1]), weight, bias, _lora(layer),
                                    _stride(layer, weight), group)
     return flat.view(*total.shape[:-1], flat.shape[-1])

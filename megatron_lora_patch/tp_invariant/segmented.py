@@ -17,6 +17,10 @@ Both work on 2-D tensors; `tp_invariant.shares` fixes the chunks (GEMM shapes) a
   that SUM's backward hands every rank the complete dY. Backward: `grad_x`, `dA`, `dW` per
   chunk of this rank's shard, `dB` complete.
 
+`row_sums(t, group)`: the sums over the sharded last dimension of `t` (each rank holds its shard),
+in the same canonical order (chained chunk sums per segment, the tree, one `tree_all_gather`), the
+same bits on every rank and at every TP degree.
+
 Sliced operands are copied to contiguous chunks so that every GEMM sees the same shape and
 strides at every TP degree. Partial sums are formed in float32 for half-precision inputs
 (`accumulation_dtype`) and rounded to the input dtype once at the end.
@@ -29,7 +33,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed
 
-from megatron_lora_patch.tp_invariant.collectives import tree_all_gather
+from megatron_lora_patch.tp_invariant.collectives import column_share, tree_all_gather
 from megatron_lora_patch.tp_invariant.shares import TreeSum, local_chunks, local_segments
 
 
@@ -124,7 +128,7 @@ class _ColumnLinear(torch.autograd.Function):
 class _RowLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, lora_a, lora_b, scale, group):
-        world, rank = _world(group)
+        world, _ = _world(group)
         dtype = accumulation_dtype(x.dtype)
         ctx.chunks = local_chunks(x.shape[1] * world, 1, world)
         ctx.scale = scale
@@ -143,12 +147,7 @@ class _RowLinear(torch.autograd.Function):
             output.add_(torch.mm(hidden, lora_b.t()), alpha=scale)
         ctx.save_for_backward(x, weight, lora_a, lora_b, hidden)
         output = output.to(x.dtype)
-        if world == 1:
-            return output
-        share = output.new_zeros(output.shape)
-        columns = slice(output.shape[1] * rank // world, output.shape[1] * (rank + 1) // world)
-        share[:, columns] = output[:, columns]
-        return share
+        return column_share(output, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -188,3 +187,17 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, lora: Optional[tuple], gro
     input shard `x`."""
     lora_a, lora_b, scale = (None, None, 0.0) if lora is None else lora
     return _RowLinear.apply(x.contiguous(), weight, lora_a, lora_b, scale, group)
+
+
+def row_sums(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """`tensor.sum(-1)` over the logical last dimension whose local shard `tensor` (2-D) is, in the canonical
+    segment order: complete and identical on every rank, the same bits at every TP degree."""
+    world, _ = _world(group)
+    tree = TreeSum()
+    for segment in local_segments(tensor.shape[1] * world, 1, world):
+        total = None
+        for start, stop in segment:
+            total = _chain(total, tensor[:, start:stop].contiguous().sum(dim=1), tensor.dtype)
+        tree.add(total)
+    (full,) = tree_all_gather([tree.result()], group)
+    return full

@@ -33,9 +33,9 @@ BucketKey = Tuple[Tuple[int, ...], str, torch.dtype, torch.device]  # (domain ra
 #: the chunk's parameters per set of adapters, not per step (`metadata.generation` moves on every tag).
 _REPLICATED_OF_CHUNK: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
-#: Domains ("tp", "etp") whose replicated factors already hold their complete grad on every rank, so they
+#: Domains ("tp", "expert_tp") whose replicated factors already hold their complete grad on every rank, so they
 #: leave the SUM (which would multiply them by the domain size): the TP-invariant linears compute the LoRA
-#: branch at full width on every TP rank and declare "tp" through `set_complete_domains`.
+#: branch at full width on every (expert) TP rank and declare both through `set_complete_domains`.
 _complete_domains: frozenset = frozenset()
 
 

@@ -96,10 +96,10 @@ def model_for(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
 def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
     """The model this topology runs, or one OracleError saying why it cannot run."""
     spec = model_for(topology, settings)
-    if settings.layout_invariant and (topology.cp > 1 or topology.etp > 1 or (spec.is_moe and topology.tp > 1)):
+    if settings.layout_invariant and (topology.cp > 1 or topology.etp > 2 or (spec.is_moe and topology.tp > 1)):
         raise OracleError(
-            f"--layout-invariant covers tp, sp, dp and pp, and MoE at tp1 with ep; {topology} also uses "
-            "cp/etp or tp with MoE: use topologies like tp2, tp2-sp, dp2, pp2, tp2-dp2, ep2, dp4-ep2"
+            f"--layout-invariant covers tp, sp, dp and pp, and MoE at tp1 with ep and etp <= 2; {topology} also "
+            "uses cp, etp > 2 or tp with MoE: use topologies like tp2, tp2-sp, dp2, pp2, tp2-dp2, ep2, ep2-etp2"
         )
     if settings.layout_invariant and LANES % topology.dp:
         raise OracleError(
