@@ -61,9 +61,9 @@ def test_oracle_flag_its_deprecated_alias_and_its_default_matrix(capsys):
     assert command.check_arguments(_oracle_arguments("--layout-invariant"))[2] == settings
     parsed = [Topology.parse(text) for text in topologies]
     assert len(set(topologies)) >= 16 and max(topology.world_size for topology in parsed) <= 8
-    assert {t.tp for t in parsed} | {1} == {1, 2, 4} and {t.dp for t in parsed} | {1} == {1, 2, 4}
+    assert {t.tp for t in parsed} | {1} == {1, 2, 4} and {t.dp for t in parsed} | {1} == {1, 2, 4, 8}
     assert {t.pp for t in parsed} == {1, 2} and {t.sp for t in parsed} == {False, True}
-    assert {t.ep for t in parsed} == {1, 2, 4} and {t.etp for t in parsed} == {1}
+    assert {t.ep for t in parsed} == {1, 2, 4} and {t.etp for t in parsed} == {1, 2}
     assert settings.global_batch_size == 2 * LANES
 
 

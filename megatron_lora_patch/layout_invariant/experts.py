@@ -15,7 +15,8 @@ its weight grads mix, change with the layout. Here:
 - `SequentialMLP.forward` runs each local expert on each segment in chunks of exactly
   `CHUNK_TOKENS` rows (the last one padded with zero rows, whose outputs are dropped and whose
   output grads are zero): every GEMM has the same shape on every layout, so each row and each
-  chunk's weight-grad partial are the same bits;
+  chunk's weight-grad partial are the same bits; the router probabilities are applied on fc2's
+  input with a canonical grad (`layout_invariant.expert_probs`, needed under expert TP);
 - backward (`_ExpertSegment`) takes each chunk's grads with `torch.autograd.grad`, chains the
   chunks' weight grads in order and adds the sum into the lane of the segment's global microbatch
   `g = i * dp + source DP rank` (`i`: the local microbatch whose backward runs, the same on all EP
@@ -102,14 +103,17 @@ def alltoall_dispatch_preprocess(wrapped, instance, args, kwargs):
     """wrapt wrapper of `MoEAlltoAllTokenDispatcher.dispatch_preprocess(hidden, routing_map, probs)`:
     the all-to-all delivers each source's tokens in EP group rank order and `sort_chunks_by_idxs`
     groups them by local expert keeping that order, so the per-source counts of each local expert
-    are every source's routing-map column sums (one small all-gather over the TP x EP group)."""
+    are every source's routing-map column sums (one small all-gather over the TP x EP group). Under
+    expert TP the all-to-all's output is then gathered over ETP, so sources arrive ETP-rank-major,
+    while the group ranks them EP-major (`ep_rank * tp_size + tp_rank`, as Megatron reads them)."""
     routing_map = args[1] if len(args) > 1 else kwargs["routing_map"]
     sources = _sources(instance)
     counts = routing_map.sum(dim=0).long()
     if len(sources) > 1:
         pieces = [torch.empty_like(counts) for _ in sources]
         torch.distributed.all_gather(pieces, counts, group=instance.tp_ep_group)
-        counts = torch.stack(pieces)
+        order = [ep * instance.tp_size + tp for tp in range(instance.tp_size) for ep in range(instance.ep_size)]
+        counts, sources = torch.stack([pieces[i] for i in order]), tuple(sources[i] for i in order)
     first, last = instance.local_expert_indices[0], instance.local_expert_indices[-1]
     _HANDOVER.update(segments=counts.reshape(len(sources), -1)[:, first:last + 1].t().tolist(), sources=sources)
     return wrapped(*args, **kwargs)
