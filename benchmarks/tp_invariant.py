@@ -15,7 +15,7 @@ Memory (one world per mode: the peak is per process): the growth of the process'
 (`resource.getrusage` ru_maxrss)
 over the resident size right after the model is built, max over ranks. tracemalloc is not used
 because torch's CPU allocator bypasses Python's allocator (it would see none of the tensors).
-RSS growth counts activations, gathered weights and temporaries, plus allocator slack. The
+RSS growth counts activations, gathered partials and temporaries, plus allocator slack. The
 state the mode keeps between steps (the microbatch lanes, `layout_invariant.lanes`: adapter-sized grad
 buffers; no weight is cached) is reported separately, next to the rank's own
 parameter bytes.

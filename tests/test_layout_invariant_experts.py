@@ -166,3 +166,23 @@ def test_etp2_with_ep2_is_accepted(monkeypatch):
     monkeypatch.setattr(parallel_state, "get_expert_tensor_parallel_world_size", lambda: 2)
     monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 2)
     checks.check_moe(_moe_config())
+
+
+def test_shared_outer_factors_are_refused_whatever_the_patch_order(monkeypatch):
+    """The DDP-time check refuses shared outer factors even when the adapters were attached before the mode."""
+    from megatron.core import parallel_state
+
+    from megatron_lora_patch.layout_invariant import checks
+    from megatron_lora_patch.lora.config import LoraConfig, set_active
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_expert_tensor_parallel_world_size", lambda: 1)
+    try:
+        set_active(LoraConfig(rank=4))
+        checks.check_moe(_moe_config())
+        set_active(LoraConfig(rank=4, expert_shared_outer=True))
+        with pytest.raises(LayoutInvariantUnsupported, match="^layout_invariant: [^\n]*unset "
+                           "MEGATRON_LORA_EXPERT_SHARED_OUTER or turn the layout_invariant patch off$"):
+            checks.check_moe(_moe_config())
+    finally:
+        set_active(None)

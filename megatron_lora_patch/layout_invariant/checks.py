@@ -64,9 +64,9 @@ def check_moe(config: Any) -> None:
         _refuse(f"expert tensor parallelism etp={etp} is not proven (etp 1 and 2 are); set "
                 "expert_tensor_parallel_size to 1 or 2")
     if etp > 1 and parallel_state.get_expert_model_parallel_world_size() == 1:
-        _refuse("etp > 1 without expert parallelism keeps expert weights in the dense grad buffer, which the "
-                "mode does not cover for expert TP; set expert_model_parallel_size >= 2 or "
-                "expert_tensor_parallel_size=1")
+        _refuse("etp > 1 without expert parallelism is not proven (etp 2 is, with ep >= 2); set "
+                "expert_model_parallel_size >= 2 or expert_tensor_parallel_size=1")
+    _check_shared_outer()
     if config.moe_router_topk > 2:
         _refuse(f"top-{config.moe_router_topk} routing sums 3+ expert outputs per token in an ep-dependent "
                 "order; use moe_router_topk <= 2")
@@ -81,6 +81,17 @@ def check_moe(config: Any) -> None:
     for name, wanted, why in _MOE_SETTINGS:
         if getattr(config, name, wanted) != wanted:
             _refuse(f"{name}={getattr(config, name)!r}: {why}")
+
+
+def _check_shared_outer() -> None:
+    """Shared outer expert factors are dense parameters that every expert uses: their grads would reach the
+    expert lanes from a dense grad buffer (lora/layers/shared_outer.py refuses it too, but only when the mode
+    is applied before the adapters are attached)."""
+    from megatron_lora_patch.lora.config import active
+
+    if active().expert_shared_outer:
+        _refuse("shared outer expert factors (MEGATRON_LORA_EXPERT_SHARED_OUTER) are not proven bit-exact; "
+                "unset MEGATRON_LORA_EXPERT_SHARED_OUTER or turn the layout_invariant patch off")
 
 
 def check_training(config: Any, module: Any) -> None:

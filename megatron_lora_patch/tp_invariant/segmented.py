@@ -191,7 +191,8 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, lora: Optional[tuple], gro
 
 def row_sums(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """`tensor.sum(-1)` over the logical last dimension whose local shard `tensor` (2-D) is, in the canonical
-    segment order: complete and identical on every rank, the same bits at every TP degree."""
+    segment order: complete and identical on every rank, the same bits at every TP degree. Summed in
+    `tensor.dtype` itself (not promoted to float32 as the linears' partials are)."""
     world, _ = _world(group)
     tree = TreeSum()
     for segment in local_segments(tensor.shape[1] * world, 1, world):
