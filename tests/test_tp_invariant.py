@@ -225,7 +225,8 @@ def test_tp4_bitwise_equal_to_tp1(topology):
 def test_apply_and_revert_restore_megatron_exactly():
     """Every target of `layout_invariant` (formerly `tp_invariant`) is wrapped while on (status 'applied')
     and is the original object again after revert;
-    the grad-sync strategy (dense factors complete, no TP SUM) is declared while on and undone by revert."""
+    the grad-sync strategy (dense and expert replicated factors complete, no (expert) TP SUM) is declared while on
+    and undone by revert."""
     import megatron.core.distributed.distributed_data_parallel as ddp
     import megatron.core.models.common.language_module.language_module as language_module
     import megatron.core.optimizer.optimizer as optimizer
@@ -258,7 +259,7 @@ def test_apply_and_revert_restore_megatron_exactly():
         row = next(row for row in megatron_lora_patch.status() if row.patch == "layout_invariant")
         assert row.state == "applied"
         assert all(namespace[name] is not original for (namespace, name), original in zip(targets, originals))
-        assert grad_sync.set_complete_domains(frozenset({"tp"})) == {"tp"}
+        assert grad_sync.set_complete_domains(frozenset({"tp", "expert_tp"})) == {"tp", "expert_tp"}
     finally:
         megatron_lora_patch.revert()
     assert all(namespace[name] is original for (namespace, name), original in zip(targets, originals))
