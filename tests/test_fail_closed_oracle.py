@@ -100,8 +100,8 @@ BAD_INPUTS = {
     ),
     "layout-invariant-with-cp": (
         ["--layout-invariant", "--topologies", "cp2"],
-        "--layout-invariant covers tp, sp, dp and pp, and MoE at tp1 with ep and etp <= 2; cp2 also uses cp, "
-        "etp > 2 or tp with MoE: use topologies like tp2, tp2-sp, dp2, pp2, tp2-dp2, ep2, ep2-etp2",
+        "--layout-invariant covers tp, sp, dp, pp, ep and etp; cp2 also uses cp: use topologies like tp2, tp2-sp, "
+        "dp2, pp2, tp2-dp2, ep2, ep2-etp2, tp2-ep2-sp",
     ),
     "layout-invariant-with-dp3": (
         ["--layout-invariant", "--topologies", "dp3"],

@@ -9,6 +9,9 @@ and real TransformerConfigs: no world.
 - the expert-lane combine takes each lane from the one rank holding it and runs the canonical tree:
   the world-1 bits for the dp4 ep2 split, which is not a subtree ({0, 1, 4, 5} / {2, 3, 6, 7}); a
   rank-order chain (the mutation) differs; a lane held twice is refused in one line;
+- sequence blocks: whatever order a microbatch's blocks arrive in (sequence shards of several TP
+  ranks, autograd's order), the flush chains them in block order, the world-1 bits; the arrival-order
+  chain (the mutation) differs; a block arriving twice is a bug (traceback);
 - MoE settings the mode does not cover are refused with one line naming the fix (the alltoall
   dispatcher is covered, others are not).
 """
@@ -19,6 +22,7 @@ import pytest
 import torch
 
 from megatron_lora_patch.layout_invariant import LayoutInvariantUnsupported, experts
+from megatron_lora_patch.layout_invariant.expert_blocks import SEQUENCE_BLOCKS, PendingBlocks
 from megatron_lora_patch.layout_invariant.expert_lanes import combine_lanes
 from megatron_lora_patch.layout_invariant.tree import LANES, canonical_sum
 
@@ -98,6 +102,53 @@ def test_missing_lanes_are_skipped_and_a_lane_held_twice_is_refused():
         combine_lanes(*_split(lanes, [{2}, {2}]))
 
 
+def _flushed(pending: PendingBlocks) -> dict:
+    added = {}
+    pending.flush(lambda param, grad, microbatch: added.setdefault((param, microbatch), grad))
+    return added
+
+
+def test_sequence_blocks_are_chained_in_block_order_whatever_their_arrival():
+    blocks, param = _lanes(seed=3), object()
+    assert len(blocks) == SEQUENCE_BLOCKS
+    world_one = experts.chained(blocks)
+    for arrival in ([0, 1, 2, 3, 4, 5, 6, 7], [4, 5, 6, 7, 0, 1, 2, 3], [6, 7, 2, 3, 4, 5, 0, 1]):
+        pending = PendingBlocks()
+        for block in arrival:
+            pending.add(param, 5, block, blocks[block])
+        assert torch.equal(_flushed(pending)[(param, 5)], world_one), arrival
+        assert _flushed(pending) == {}
+    assert not torch.equal(experts.chained([blocks[block] for block in [6, 7, 2, 3, 4, 5, 0, 1]]), world_one)
+
+
+def test_missing_blocks_are_skipped_and_microbatches_kept_apart():
+    blocks, param, pending = _lanes(seed=4), object(), PendingBlocks()
+    pending.add(param, 1, 6, blocks[6])
+    pending.add(param, 1, 2, blocks[2])
+    pending.add(param, 9, 2, blocks[3])
+    added = _flushed(pending)
+    assert torch.equal(added[(param, 1)], blocks[2] + blocks[6]) and torch.equal(added[(param, 9)], blocks[3])
+    pending.add(param, 1, 2, blocks[2])
+    with pytest.raises(RuntimeError, match="expert block 2 of microbatch 1 arrived twice"):
+        pending.add(param, 1, 2, blocks[2])
+
+
+def test_experts_without_tokens_keep_hidden_and_probs_in_the_graph():
+    """A rank whose experts got no token must still run the dispatcher's backward collectives of both the
+    hidden states and the probabilities (Megatron runs its experts on empty tensors); dropping the probs made
+    tp2-ep2-sp hang (one rank skipped the probabilities' reduce-scatter)."""
+    import types
+
+    hidden, probs = torch.randn(3, 4, requires_grad=True), torch.rand(3, requires_grad=True)
+    experts._HANDOVER.update(segments=[[((0, 0), 0)], [((1, 0), 0)]])
+    instance = types.SimpleNamespace(local_experts=[None, None])
+    output, bias = experts.sequential_forward(None, instance, (hidden[:0], torch.tensor([0, 0]), probs[:0]), {})
+    assert output.shape == (0, 4) and bias is None
+    output.sum().backward()
+    assert hidden.grad is not None and probs.grad is not None
+    assert not hidden.grad.any() and not probs.grad.any()
+
+
 def _moe_config(**overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -142,10 +193,13 @@ def test_other_dispatchers_are_refused(monkeypatch):
         checks.check_moe(config)
 
 
-@pytest.mark.parametrize("sizes, fix", [((2, 1, 2), "tensor_model_parallel_size=1"),
-                                        ((1, 4, 2), "expert_tensor_parallel_size to 1 or 2"),
-                                        ((1, 2, 1), "expert_tensor_parallel_size=1")])
+@pytest.mark.parametrize("sizes, fix", [((8, 8, 1), "tensor_model_parallel_size <= 4"),
+                                        ((2, 1, 1), "expert_model_parallel_size a multiple of tp"),
+                                        ((4, 1, 2), "expert_model_parallel_size a multiple of tp"),
+                                        ((1, 4, 2), "expert_tensor_parallel_size to 1, 2 or tensor_model"),
+                                        ((1, 2, 1), "expert_tensor_parallel_size=tensor_model_parallel_size")])
 def test_moe_parallel_refusals_name_the_fix(monkeypatch, sizes, fix):
+    """(tp, etp, ep) sizes the mode refuses (the proven ones pass: next test)."""
     from megatron.core import parallel_state
 
     from megatron_lora_patch.layout_invariant import checks
@@ -157,14 +211,16 @@ def test_moe_parallel_refusals_name_the_fix(monkeypatch, sizes, fix):
         checks.check_moe(_moe_config())
 
 
-def test_etp2_with_ep2_is_accepted(monkeypatch):
+@pytest.mark.parametrize("sizes", [(1, 2, 2), (2, 1, 2), (2, 2, 1), (2, 2, 2), (2, 1, 4), (4, 1, 4), (4, 2, 2),
+                                   (4, 4, 1)])
+def test_proven_expert_sizes_are_accepted(monkeypatch, sizes):
     from megatron.core import parallel_state
 
     from megatron_lora_patch.layout_invariant import checks
 
-    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
-    monkeypatch.setattr(parallel_state, "get_expert_tensor_parallel_world_size", lambda: 2)
-    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: sizes[0])
+    monkeypatch.setattr(parallel_state, "get_expert_tensor_parallel_world_size", lambda: sizes[1])
+    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: sizes[2])
     checks.check_moe(_moe_config())
 
 

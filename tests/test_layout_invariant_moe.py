@@ -5,7 +5,8 @@ The oracle's MoE model (2 layers, 4 SequentialMLP experts, top-2, allgather disp
 training steps, global batch 16 of micro batch 1, compared with world size 1 through the oracle's
 canonicalization: max |difference| must be exactly 0 in every phase. The same with expert chunks of
 4 tokens (several chunks per segment, so the chained chunk partials run), with the alltoall token
-dispatcher (ep2, dp4-ep2, ep2-etp2) and with the distributed optimizer; expert TP on ep2-etp2.
+dispatcher (ep2, dp4-ep2, ep2-etp2, tp2-ep2-etp2-sp) and with the distributed optimizer; expert TP on
+ep2-etp2, and at tp2 with sequence parallelism (tp2-etp2-sp at ep 1, tp2-ep2-etp2-sp).
 
 Negative controls (each must show a non-zero difference):
 - the default mode (no layout_invariant) on ep2;
@@ -13,6 +14,8 @@ Negative controls (each must show a non-zero difference):
   lanes, then the ranks are chained), on ep2 and dp4-ep2;
 - the layout mode with every source's tokens credited to the expert rank's own microbatch (what
   DDP's per-rank accumulation does), on dp4-ep2;
+- MoE at tp2 (tp2-ep2-etp2-sp): each sequence shard's tokens as one expert segment (what the mode did
+  before its sequence blocks), 3.8e-6 off in the loss;
 - expert TP (ep2-etp2): every ETP rank handing the dispatcher the complete expert input grad (its
   reduce-scatter then doubles it), and the router-probability grad left to Megatron (per-ETP-rank
   partial sums over the FFN columns, added by the dispatcher).
@@ -64,13 +67,24 @@ def _install_rank_order(patcher) -> None:
 def _own_microbatch_only(group):
     from megatron.core import parallel_state
 
-    return (parallel_state.get_data_parallel_rank(),) * torch.distributed.get_world_size(group)
+    own = parallel_state.get_data_parallel_rank()  # each member its own blocks, all in this rank's microbatch
+    return tuple((own, member) for member in range(torch.distributed.get_world_size(group)))
 
 
 def _install_own_microbatch(patcher) -> None:
     from megatron_lora_patch.layout_invariant import experts
 
-    patcher.replace(experts, "_source_dp_ranks", _own_microbatch_only)
+    patcher.replace(experts, "_source_ranks", _own_microbatch_only)
+
+
+def _one_block_per_source(tokens_per_source):
+    return 1
+
+
+def _install_shard_segments(patcher) -> None:
+    from megatron_lora_patch.layout_invariant import experts
+
+    patcher.replace(experts, "_blocks_per_source", _one_block_per_source)
 
 
 def _whole_input_grad(tensor, group):
@@ -99,6 +113,8 @@ RANK_ORDER = Mutation("expert_rank_order", "expert lanes chained in rank order, 
                       model="moe", install=_install_rank_order)
 OWN_MICROBATCH = Mutation("expert_own_microbatch", "every source's expert grad in the rank's own microbatch lane",
                           "dp4-ep2", model="moe", install=_install_own_microbatch)
+SHARD_SEGMENTS = Mutation("expert_shard_segments", "one expert segment per sequence shard, not per sequence block",
+                          "tp2-ep2-etp2-sp", model="moe", install=_install_shard_segments)
 
 WHOLE_INPUT_GRAD = Mutation("etp_whole_input_grad", "every ETP rank hands over the complete expert input grad",
                             "ep2-etp2", model="moe", install=_install_whole_input_grad)
@@ -114,7 +130,8 @@ def moe_reference():
     return _phases(MOE, "tp1")
 
 
-@pytest.mark.parametrize("topology", ["ep2", "dp4-ep2", "ep2-pp2", "ep2-etp2"])
+@pytest.mark.parametrize("topology", ["ep2", "dp4-ep2", "ep2-pp2", "ep2-etp2", "tp2-ep2-sp", "tp2-etp2-sp",
+                                      "tp2-ep2-etp2-sp"])
 def test_moe_layout_is_bitwise_equal_to_world_one(moe_reference, topology):
     reference, shapes = moe_reference
     candidate, _ = _phases(MOE, topology, shapes)
@@ -142,7 +159,7 @@ def _alltoall_phases(topology_text: str, shapes=None):
 
 def test_alltoall_dispatcher_is_bitwise_equal_to_world_one():
     reference, shapes = _alltoall_phases("tp1")
-    for topology in ("ep2", "dp4-ep2", "ep2-etp2"):
+    for topology in ("ep2", "dp4-ep2", "ep2-etp2", "tp2-ep2-etp2-sp"):
         candidate, _ = _alltoall_phases(topology, shapes)
         assert max_differences(candidate, reference) == ZERO, topology
 
@@ -163,7 +180,7 @@ def test_default_mode_is_not_bitwise(topology):
 
 @pytest.mark.parametrize("mutation, topology", [(RANK_ORDER, "ep2"), (RANK_ORDER, "dp4-ep2"),
                                                 (OWN_MICROBATCH, "dp4-ep2"), (WHOLE_INPUT_GRAD, "ep2-etp2"),
-                                                (MEGATRON_PROBS, "ep2-etp2")])
+                                                (MEGATRON_PROBS, "ep2-etp2"), (SHARD_SEGMENTS, "tp2-ep2-etp2-sp")])
 def test_expert_mutations_are_caught(moe_reference, mutation, topology):
     reference, shapes = moe_reference
     candidate, _ = _phases(MOE, topology, shapes, mutation=mutation)
@@ -172,10 +189,9 @@ def test_expert_mutations_are_caught(moe_reference, mutation, topology):
     assert not all(metrics.passed for metrics in phases.compare(candidate, reference, MOE).values())
 
 
-def test_oracle_refuses_moe_at_tp2():
+@pytest.mark.parametrize("text, problem", [("tp2-sp", "a multiple of tp"), ("ep2-etp4", "etp=4 is not proven")])
+def test_oracle_refuses_expert_layouts_the_mode_refuses(text, problem):
     from megatron_lora_patch.proof.testbed.topology import Topology
 
-    with pytest.raises(harness.OracleError, match="MoE at tp1"):
-        harness.check_topology(Topology.parse("tp2-ep2-sp"), MOE)
-    with pytest.raises(harness.OracleError, match="etp > 2"):
-        harness.check_topology(Topology.parse("ep2-etp4"), MOE)
+    with pytest.raises(harness.OracleError, match=f"^--layout-invariant cannot run {text}: .*{problem}"):
+        harness.check_topology(Topology.parse(text), MOE)

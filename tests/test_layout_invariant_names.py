@@ -3,8 +3,9 @@
 - the former name `tp_invariant` still works everywhere a patch is named (the `enable`
   argument, `MEGATRON_LORA_PATCH_TP_INVARIANT`, `MEGATRON_LORA_DISABLED_PATCHES`) and in the
   oracle (`--tp-invariant`), each with a one-line deprecation warning;
-- `--layout-invariant` runs 24 layouts by default: tp 1/2/4 x dp 1/2/4 x pp 1/2 with and without
-  sp, at most 8 ranks, and MoE at ep 2/4 (with dp4, pp2) and etp 1/2, at a global batch of two microbatches per lane;
+- `--layout-invariant` runs 26 layouts by default: tp 1/2/4 x dp 1/2/4 x pp 1/2 with and without
+  sp, at most 8 ranks, and MoE at ep 2/4 (with dp4, pp2) and etp 1/2, at tp2 with etp2 (ep 1 and 2), at a global
+  batch of two microbatches per lane;
 - what the mode does not cover stops the run with one line naming the fix, before any
   optimizer step (a real world of one rank, real TransformerConfigs).
 """
@@ -64,6 +65,7 @@ def test_oracle_flag_its_deprecated_alias_and_its_default_matrix(capsys):
     assert {t.tp for t in parsed} | {1} == {1, 2, 4} and {t.dp for t in parsed} | {1} == {1, 2, 4, 8}
     assert {t.pp for t in parsed} == {1, 2} and {t.sp for t in parsed} == {False, True}
     assert {t.ep for t in parsed} == {1, 2, 4} and {t.etp for t in parsed} == {1, 2}
+    assert {(t.tp, t.ep) for t in parsed if t.etp == 2} >= {(2, 1), (2, 2), (1, 2), (1, 4)}  # MoE at tp2 too
     assert settings.global_batch_size == 2 * LANES
 
 

@@ -9,7 +9,7 @@ import sys
 import oracle_faults
 import pytest
 
-from megatron_lora_patch.cli.oracle import ALL_TOPOLOGIES, DEFAULT_TOPOLOGIES
+from megatron_lora_patch.cli.oracle import ALL_TOPOLOGIES, DEFAULT_TOPOLOGIES, LAYOUT_TOPOLOGIES
 from megatron_lora_patch.proof.oracle import canonical, harness, phases
 from megatron_lora_patch.proof.oracle.mutations import Mutation
 from megatron_lora_patch.proof.oracle.report import OracleReport, TopologyResult
@@ -33,6 +33,23 @@ def test_oracle_command_default_matrix(tmp_path):
         for phase in topology["phases"].values():
             assert phase["passed"] and phase["rel_l2"] <= phase["threshold"]
             assert phase["per_layer"]
+
+
+@pytest.mark.slow
+def test_layout_invariant_command_default_matrix_is_bitwise(tmp_path):
+    """`megatron-lora-patch oracle --layout-invariant` (docs/architecture.md section 7): every default layout,
+    dense and MoE (tp / sp / dp / pp, ep / etp, MoE at tp2 and tp4), passes only at max |difference| == 0."""
+    report_path = tmp_path / "layout.json"
+    command = [sys.executable, "-m", "megatron_lora_patch", "oracle", "--layout-invariant", "--json", str(report_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1800, cwd=tmp_path)
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    rows = report["topologies"]
+    assert [row["topology"] for row in rows] == list(LAYOUT_TOPOLOGIES) and len(rows) >= 16
+    assert {row["model"] for row in rows} == {"dense", "moe"}
+    for row in rows:
+        assert {name: phase["rel_l2"] for name, phase in row["phases"].items()} == dict.fromkeys(row["phases"], 0.0)
 
 
 @pytest.mark.slow
@@ -125,8 +142,8 @@ def test_layout_invariant_oracle_is_bitwise_and_refuses_what_it_cannot_do():
         assert report.passed and {p: m.rel_l2 for p, m in row.phases.items()} == dict.fromkeys(row.phases, 0.0), run
         assert {p: m.max_abs for p, m in row.phases.items()} == dict.fromkeys(row.phases, 0.0), run
     for spec, message in (
-        ("cp2", "--layout-invariant covers tp, sp, dp and pp, and MoE at tp1 with ep and etp <= 2; cp2 also uses cp"),
-        ("tp2-ep2-sp", "tp2-ep2-sp also uses cp, etp > 2 or tp with MoE"),
+        ("cp2", "--layout-invariant covers tp, sp, dp, pp, ep and etp; cp2 also uses cp"),
+        ("ep2-etp4", "--layout-invariant cannot run ep2-etp4: expert tensor parallelism etp=4 is not proven"),
         ("dp3", "--layout-invariant needs a dp dividing 8"),
     ):
         with pytest.raises(harness.OracleError, match=re.escape(message)):

@@ -14,7 +14,7 @@ import tempfile
 #: Runs in under 3 minutes on 2 CPU cores: every parallel dimension once, 2 ranks each.
 DEFAULT_TOPOLOGIES = ("tp2", "tp2-sp", "dp2", "pp2", "cp2", "ep2", "tp2-etp2-sp")
 #: `--layout-invariant`'s default: 16 dense layouts of tp {1, 2, 4} x dp {1, 2, 4} x pp {1, 2}, with and without
-#: sp, up to 8 ranks, and 8 MoE layouts of ep {2, 4} with dp and pp, at etp 1 (2 to 4 ranks) and etp 2 (4 to 8 ranks)
+#: sp, up to 8 ranks, and 12 MoE layouts of ep {1, 2, 4} x etp {1, 2} with dp, pp and tp (2 to 8 ranks)
 #: (docs/architecture.md section 7).
 LAYOUT_TOPOLOGIES = (
     "tp2",
@@ -41,6 +41,10 @@ LAYOUT_TOPOLOGIES = (
     "ep4-etp2",
     "dp8-ep2-etp2",
     "pp2-ep2-etp2",
+    "tp2-ep2-sp",
+    "tp2-etp2-sp",
+    "tp2-ep2-etp2-sp",
+    "tp4-ep4-sp",
 )
 #: `--layout-invariant`'s global batch: two microbatches in each of the 8 lanes of its reduction tree.
 LAYOUT_GLOBAL_BATCH = 16
@@ -105,7 +109,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--layout-invariant",
         action="store_true",
         help="run with the layout_invariant patch; pass only on bitwise-identical results (tp, sp, dp, pp "
-        "topologies; MoE with ep at tp1)",
+        "topologies; MoE with ep and etp)",
     )
     parser.add_argument("--tp-invariant", action="store_true", help="deprecated name of --layout-invariant")
     parser.add_argument("--timeout", default="600", help="seconds per run before a world is killed (default 600)")

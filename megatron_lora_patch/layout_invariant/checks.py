@@ -4,7 +4,7 @@ any step (docs/architecture.md section 7). Each refusal is one line naming the f
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from megatron_lora_patch.layout_invariant import LayoutInvariantUnsupported
 from megatron_lora_patch.layout_invariant.tree import check_dp_size
@@ -51,21 +51,35 @@ _MOE_SETTINGS = (
 )
 
 
+def expert_layout_problem(tp: int, etp: int, ep: int) -> Optional[str]:
+    """Why the mode cannot run MoE at these tensor / expert-tensor / expert parallel sizes, or None
+    (docs/architecture.md section 7: proven at tp 1, 2, 4 with etp 1, 2 and etp = tp)."""
+    if tp > 4:
+        return (f"MoE at tensor_model_parallel_size={tp} is not proven (tp 1, 2 and 4 are); run MoE models at "
+                "tensor_model_parallel_size <= 4")
+    if (etp * ep) % tp:
+        return (f"MoE at tp={tp} with etp={etp}, ep={ep} sends one microbatch's sequence shards to different copies "
+                "of an expert; make expert_tensor_parallel_size * expert_model_parallel_size a multiple of tp")
+    if etp > 2 and etp != tp:
+        return (f"expert tensor parallelism etp={etp} is not proven (etp 1, 2 and etp = tp are); set "
+                "expert_tensor_parallel_size to 1, 2 or tensor_model_parallel_size")
+    if etp > tp and ep == 1:
+        return ("etp > tp without expert parallelism is not proven (etp = tp is, and etp 2 with ep >= 2); set "
+                "expert_model_parallel_size >= 2 or expert_tensor_parallel_size=tensor_model_parallel_size")
+    return None
+
+
 def check_moe(config: Any) -> None:
     """MoE (docs/architecture.md section 7): SequentialMLP experts behind the allgather / alltoall dispatcher,
-    at tp = 1 and etp 1 or 2 (with ep > 1), top-k <= 2, no aux / z loss, no token dropping, no linear biases."""
+    at the sizes `expert_layout_problem` accepts, top-k <= 2, no aux / z loss, no token dropping, no linear
+    biases."""
     from megatron.core import parallel_state
 
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        _refuse("MoE with tp > 1 routes sequence-parallel token shards whose router GEMM shapes change with tp; "
-                "run MoE models at tensor_model_parallel_size=1 (ep and dp are covered)")
-    etp = parallel_state.get_expert_tensor_parallel_world_size()
-    if etp > 2:
-        _refuse(f"expert tensor parallelism etp={etp} is not proven (etp 1 and 2 are); set "
-                "expert_tensor_parallel_size to 1 or 2")
-    if etp > 1 and parallel_state.get_expert_model_parallel_world_size() == 1:
-        _refuse("etp > 1 without expert parallelism is not proven (etp 2 is, with ep >= 2); set "
-                "expert_model_parallel_size >= 2 or expert_tensor_parallel_size=1")
+    problem = expert_layout_problem(parallel_state.get_tensor_model_parallel_world_size(),
+                                    parallel_state.get_expert_tensor_parallel_world_size(),
+                                    parallel_state.get_expert_model_parallel_world_size())
+    if problem:
+        _refuse(problem)
     _check_shared_outer()
     if config.moe_router_topk > 2:
         _refuse(f"top-{config.moe_router_topk} routing sums 3+ expert outputs per token in an ep-dependent "

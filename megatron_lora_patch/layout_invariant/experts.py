@@ -10,23 +10,26 @@ its weight grads mix, change with the layout. Here:
   over the TP x EP group, local experts]`, sources in group rank order), `MoEAlltoAllTokenDispatcher
   .dispatch_preprocess` by every source's routing-map column sums. Both dispatchers deliver an
   expert's tokens as one contiguous segment per source, sources in group rank order, each in that
-  source's token order: exactly the tokens that expert gets from that source's microbatch at world
-  size 1;
-- `SequentialMLP.forward` runs each local expert on each segment in chunks of exactly
+  source's token order: exactly the tokens that expert gets from that source's microbatch (or, under
+  sequence parallelism, its sequence shard) at world size 1. The counts are split further by the
+  `expert_blocks.SEQUENCE_BLOCKS` blocks of the microbatch's token positions, so the segments do not
+  depend on how tp shards the sequence;
+- `SequentialMLP.forward` runs each local expert on each block segment in chunks of exactly
   `CHUNK_TOKENS` rows (the last one padded with zero rows, whose outputs are dropped and whose
   output grads are zero): every GEMM has the same shape on every layout, so each row and each
   chunk's weight-grad partial are the same bits; the router probabilities are applied on fc2's
   input with a canonical grad (`layout_invariant.expert_probs`, needed under expert TP);
 - backward (`_ExpertSegment`) takes each chunk's grads with `torch.autograd.grad`, chains the
-  chunks' weight grads in order and adds the sum into the lane of the segment's global microbatch
+  chunks' weight grads in order and keeps the sum as its block of global microbatch
   `g = i * dp + source DP rank` (`i`: the local microbatch whose backward runs, the same on all EP
-  ranks); the expert's parameters never get `.grad`, so DDP's own hook does not see them
-  (`layout_invariant.expert_lanes` combines their lanes).
+  ranks) until `backward_step` ends, which chains the blocks into g's lane; the expert's parameters
+  never get `.grad`, so DDP's own hook does not see them (`layout_invariant.expert_lanes` combines
+  their lanes).
 
 Combining a token's top-k expert outputs stays Megatron's: a scatter-add into zeros, then under EP
 a reduce-scatter over the TP x EP group in which every other rank adds exact zeros; with top-k <= 2
 that is `0 + a + b` in any order, the same bits (`checks` refuses larger k). Cost: padding (up to
-`CHUNK_TOKENS - 1` rows per expert, source and microbatch) and one autograd graph per chunk.
+`CHUNK_TOKENS - 1` rows per expert, sequence block and microbatch) and one autograd graph per chunk.
 """
 
 from __future__ import annotations
@@ -37,16 +40,17 @@ import torch
 import torch.distributed
 
 from megatron_lora_patch.layout_invariant import LayoutInvariantUnsupported
+from megatron_lora_patch.layout_invariant.expert_blocks import PENDING, SEQUENCE_BLOCKS
 from megatron_lora_patch.layout_invariant.expert_probs import scaled_expert
 
 #: Rows of every expert GEMM: a segment of n tokens runs as ceil(n / CHUNK_TOKENS) chunks of this size.
 CHUNK_TOKENS = 64
 
-#: {"segments": per local expert, the token count of each source rank; "sources": their DP ranks},
-#: set by the dispatcher wrapper and taken by the experts' forward that follows it.
+#: {"segments": per local expert, the `((source DP rank, sequence block), token count)` of each segment in
+#: delivery order}, set by the dispatcher wrapper and taken by the experts' forward that follows it.
 _HANDOVER: Dict[str, Any] = {}
-#: group -> the dense DP rank of each member, in group rank order (one all-gather per group).
-_SOURCE_DP_RANKS: Dict[Any, Tuple[int, ...]] = {}
+#: group -> the dense (DP rank, TP rank) of each member, in group rank order (one all-gather per group).
+_SOURCE_RANKS: Dict[Any, Tuple[Tuple[int, int], ...]] = {}
 
 
 def chunk_bounds(count: int, chunk: int) -> List[Tuple[int, int]]:
@@ -70,32 +74,57 @@ def chained(items: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
     return total
 
 
-def _source_dp_ranks(group: Any) -> Tuple[int, ...]:
+def _source_ranks(group: Any) -> Tuple[Tuple[int, int], ...]:
     from megatron.core import parallel_state
 
-    ranks = _SOURCE_DP_RANKS.get(group)
+    ranks = _SOURCE_RANKS.get(group)
     if ranks is None:
-        mine = torch.tensor([parallel_state.get_data_parallel_rank()])
+        mine = torch.tensor([parallel_state.get_data_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()])
         pieces = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
         torch.distributed.all_gather(pieces, mine, group=group)
-        ranks = _SOURCE_DP_RANKS[group] = tuple(int(piece) for piece in pieces)
+        ranks = _SOURCE_RANKS[group] = tuple((int(piece[0]), int(piece[1])) for piece in pieces)
     return ranks
 
 
-def _sources(dispatcher: Any) -> Tuple[int, ...]:
-    """The DP ranks whose tokens reach this rank's experts, in the dispatcher's group rank order."""
+def _sources(dispatcher: Any) -> Tuple[Tuple[int, int], ...]:
+    """The (DP rank, TP rank) of the ranks whose tokens reach this rank's experts, in group rank order."""
     if dispatcher.tp_size > 1 or dispatcher.ep_size > 1:
-        return _source_dp_ranks(dispatcher.tp_ep_group)
-    return (_own_dp_rank(),)
+        return _source_ranks(dispatcher.tp_ep_group)
+    from megatron.core import parallel_state
+
+    return ((parallel_state.get_data_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()),)
+
+
+def _blocks_per_source(tokens_per_source: int) -> int:
+    """Sequence blocks in one source's tokens: its sequence shard holds `SEQUENCE_BLOCKS / tp` of them."""
+    from megatron.core import parallel_state
+
+    blocks = SEQUENCE_BLOCKS // parallel_state.get_tensor_model_parallel_world_size()
+    if tokens_per_source % blocks:
+        raise LayoutInvariantUnsupported(
+            f"layout_invariant: a rank's {tokens_per_source} MoE tokens do not split into its {blocks} sequence "
+            f"blocks; use seq_length * micro_batch_size divisible by {SEQUENCE_BLOCKS}"
+        )
+    return blocks
+
+
+def _hand_over(counts: torch.Tensor, sources: Tuple[Tuple[int, int], ...]) -> None:
+    """Hand the experts `counts[source, block, local expert]` as keyed segments in delivery order."""
+    blocks = counts.shape[1]
+    segments = [[((dp, tp * blocks + block), int(counts[index, block, expert]))
+                 for index, (dp, tp) in enumerate(sources) for block in range(blocks)]
+                for expert in range(counts.shape[2])]
+    _HANDOVER.update(segments=segments)
 
 
 def allgather_dispatch_postprocess(wrapped, instance, args, kwargs):
-    """wrapt wrapper of `MoEAllGatherTokenDispatcher.dispatch_postprocess`: hand the per-source token
-    counts of each local expert (read off its `local_map`) to the experts' forward."""
+    """wrapt wrapper of `MoEAllGatherTokenDispatcher.dispatch_postprocess`: hand the per-source, per-block
+    token counts of each local expert (read off its `local_map`) to the experts' forward."""
     result = wrapped(*args, **kwargs)
     local_map, sources = instance.local_map, _sources(instance)
-    counts = local_map.reshape(len(sources), -1, local_map.shape[-1]).sum(dim=1).t().tolist()
-    _HANDOVER.update(segments=counts, sources=sources)
+    per_source = local_map.reshape(len(sources), -1, local_map.shape[-1])
+    blocks = _blocks_per_source(per_source.shape[1])
+    _hand_over(per_source.reshape(len(sources), blocks, -1, local_map.shape[-1]).sum(dim=2), sources)
     return result
 
 
@@ -103,26 +132,24 @@ def alltoall_dispatch_preprocess(wrapped, instance, args, kwargs):
     """wrapt wrapper of `MoEAlltoAllTokenDispatcher.dispatch_preprocess(hidden, routing_map, probs)`:
     the all-to-all delivers each source's tokens in EP group rank order and `sort_chunks_by_idxs`
     groups them by local expert keeping that order, so the per-source counts of each local expert
-    are every source's routing-map column sums (one small all-gather over the TP x EP group). Under
-    expert TP the all-to-all's output is then gathered over ETP, so sources arrive ETP-rank-major,
-    while the group ranks them EP-major (`ep_rank * tp_size + tp_rank`, as Megatron reads them)."""
+    are every source's routing-map column sums per sequence block (one small all-gather over the
+    TP x EP group). Under expert TP the all-to-all's output is then gathered over ETP, so sources
+    arrive ETP-rank-major, while the group ranks them EP-major (`ep_rank * tp_size + tp_rank`, as
+    Megatron reads them)."""
     routing_map = args[1] if len(args) > 1 else kwargs["routing_map"]
     sources = _sources(instance)
-    counts = routing_map.sum(dim=0).long()
+    blocks = _blocks_per_source(routing_map.shape[0])
+    counts = routing_map.reshape(blocks, -1, routing_map.shape[-1]).sum(dim=1).long()
     if len(sources) > 1:
         pieces = [torch.empty_like(counts) for _ in sources]
         torch.distributed.all_gather(pieces, counts, group=instance.tp_ep_group)
         order = [ep * instance.tp_size + tp for tp in range(instance.tp_size) for ep in range(instance.ep_size)]
-        counts, sources = torch.stack([pieces[i] for i in order]), tuple(sources[i] for i in order)
+        pieces, sources = [pieces[i] for i in order], tuple(sources[i] for i in order)
+    else:
+        pieces = [counts]
     first, last = instance.local_expert_indices[0], instance.local_expert_indices[-1]
-    _HANDOVER.update(segments=counts.reshape(len(sources), -1)[:, first:last + 1].t().tolist(), sources=sources)
+    _hand_over(torch.stack(pieces)[:, :, first:last + 1], sources)
     return wrapped(*args, **kwargs)
-
-
-def _own_dp_rank() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_rank()
 
 
 class _ExpertSegment(torch.autograd.Function):
@@ -130,9 +157,9 @@ class _ExpertSegment(torch.autograd.Function):
     into the lane of the source's global microbatch."""
 
     @staticmethod
-    def forward(ctx, tokens, probs, expert, source_dp_rank):
+    def forward(ctx, tokens, probs, expert, key):
         ctx.params = [param for param in expert.parameters() if param.requires_grad]
-        ctx.source_dp_rank, ctx.rows, ctx.chunks = source_dp_rank, tokens.shape[0], []
+        ctx.key, ctx.rows, ctx.chunks = key, tokens.shape[0], []
         outputs = []
         for start, stop in chunk_bounds(tokens.shape[0], CHUNK_TOKENS):
             with torch.enable_grad():
@@ -155,30 +182,32 @@ class _ExpertSegment(torch.autograd.Function):
             grad_probs.append(grads[1][: stop - start])
             per_chunk.append(grads[2:])
         ctx.chunks = []
-        _add_to_lanes(ctx.params, per_chunk, ctx.source_dp_rank)
+        _add_block(ctx.params, per_chunk, ctx.key)
         return torch.cat(grad_tokens), torch.cat(grad_probs), None, None
 
 
-def _add_to_lanes(params: List[Any], per_chunk: List[tuple], source_dp_rank: int) -> None:
+def _add_block(params: List[Any], per_chunk: List[tuple], key: Tuple[int, int]) -> None:
+    """Keep each parameter's chained chunk grads as block `key[1]` of global microbatch `i * dp + key[0]`."""
     from megatron.core import parallel_state
 
-    from megatron_lora_patch.layout_invariant.lanes import MICROBATCHES, lanes_of_param
+    from megatron_lora_patch.layout_invariant.lanes import MICROBATCHES
 
     if MICROBATCHES.current is None:
         raise LayoutInvariantUnsupported(
             "layout_invariant: an expert's backward ran outside Megatron's schedule (backward_step), so its "
             "global microbatch is unknown; run backward through get_forward_backward_func()"
         )
+    source_dp_rank, block = key
     microbatch = MICROBATCHES.current * parallel_state.get_data_parallel_world_size() + source_dp_rank
     for index, param in enumerate(params):
         total = chained([grads[index] for grads in per_chunk])
         if total is not None:
-            lanes_of_param(param).add_global(param, total, microbatch)
+            PENDING.add(param, microbatch, block, total)
 
 
-def _run_segment(expert: Any, tokens: torch.Tensor, probs: torch.Tensor, source_dp_rank: int) -> torch.Tensor:
+def _run_segment(expert: Any, tokens: torch.Tensor, probs: torch.Tensor, key: Tuple[int, int]) -> torch.Tensor:
     if torch.is_grad_enabled():
-        return _ExpertSegment.apply(tokens, probs, expert, source_dp_rank)
+        return _ExpertSegment.apply(tokens, probs, expert, key)
     outputs = [scaled_expert(expert, padded(tokens[start:stop], CHUNK_TOKENS), padded(probs[start:stop], CHUNK_TOKENS))
                [: stop - start] for start, stop in chunk_bounds(tokens.shape[0], CHUNK_TOKENS)]
     return torch.cat(outputs)
@@ -193,20 +222,24 @@ def sequential_forward(wrapped, instance, args, kwargs):
             "layout_invariant: SequentialMLP ran without the token dispatcher's segment counts; use "
             "moe_token_dispatcher_type='allgather' or 'alltoall'"
         )
-    segments, sources = _HANDOVER.pop("segments"), _HANDOVER.pop("sources")
-    if [sum(counts) for counts in segments] != [int(count) for count in tokens_per_expert]:
+    segments = _HANDOVER.pop("segments")
+    if [sum(count for _, count in keyed) for keyed in segments] != [int(count) for count in tokens_per_expert]:
         raise LayoutInvariantUnsupported(
             "layout_invariant: the experts' token counts do not match the dispatcher's routing map; "
             "turn the layout_invariant patch off for this MoE set-up"
         )
     outputs, start = [], 0
-    for expert, counts in zip(instance.local_experts, segments):
-        for source_dp_rank, count in zip(sources, counts):
+    for expert, keyed in zip(instance.local_experts, segments):
+        for key, count in keyed:
             if count:
                 stop = start + count
-                outputs.append(_run_segment(expert, hidden[start:stop], probs[start:stop], source_dp_rank))
+                outputs.append(_run_segment(expert, hidden[start:stop], probs[start:stop], key))
                 start = stop
-    return (torch.cat(outputs) if outputs else hidden[:0]), None
+    if not outputs:
+        # no token reached these experts: the output still depends on hidden and probs, as Megatron's (run on
+        # empty tensors) does, so this rank joins the dispatcher's backward collectives like every other rank
+        return hidden[:0] * probs[:0, None], None
+    return torch.cat(outputs), None
 
 
 def _forward_arguments(permuted_local_hidden_states, tokens_per_expert, permuted_probs, **unused):

@@ -1,5 +1,6 @@
 """`layout_invariant`: bitwise-identical LoRA training across TP = 1/2/4 (with or without SP),
-DP = 1/2/4/8, PP = 1/2/... and (MoE, tp = 1) EP = 1/2/4 with a fixed global batch and micro batch size (opt-in).
+DP = 1/2/4/8, PP = 1/2/... and (MoE, tp 1/2/4) EP = 1/2/4 x ETP = 1/2 with a fixed global batch and micro batch
+size (opt-in).
 
 docs/architecture.md section 7; the TP techniques from Megatron-LM #4740 (dense full training
 there), extended to the LoRA branch, data and pipeline parallelism. Turn it on in every rank,
@@ -24,14 +25,15 @@ What it changes (the hooks are `megatron_lora_patch.integrations.layout_invarian
   tree (an all-gather replaces DDP's all-reduce / reduce-scatter) (`layout_invariant.lanes`).
 - `SequentialMLP.forward`, `MoEAllGatherTokenDispatcher.dispatch_postprocess`,
   `MoEAlltoAllTokenDispatcher.dispatch_preprocess`: each local expert
-  runs on each source rank's tokens in fixed-size chunks; its grads go into the lanes of their
-  global microbatches, combined over all lanes under ep > 1 (`layout_invariant.experts`,
-  `layout_invariant.expert_lanes`); the router probabilities are applied on `linear_fc2`'s input
-  with a canonical grad (`layout_invariant.expert_probs`).
+  runs on each source rank's tokens in fixed-size chunks per sequence block; its grads, chained in
+  block order, go into the lanes of their global microbatches (`layout_invariant.expert_blocks`),
+  combined over all lanes under ep > 1 (`layout_invariant.experts`, `layout_invariant.expert_lanes`);
+  the router probabilities are applied on `linear_fc2`'s input with a canonical grad (`layout_invariant.expert_probs`).
 - `lora.grad_sync.set_complete_domains({"tp", "expert_tp"})`: replicated factors (dense and
   expert) leave the finalize SUM (their grads are complete on every rank).
 
-Not covered (refused with one line before any step): MoE at tp > 1, etp > 2, etp 2 without ep, top-k > 2,
+Not covered (refused with one line before any step): MoE at tp > 4 or with tp not dividing etp * ep, etp > 2
+unless etp = tp, etp > tp without ep, top-k > 2,
 aux / z losses, token dropping, grouped GEMM, the flex dispatcher, shared experts, linear biases in MoE
 models; context parallelism, virtual
 pipeline stages, overlapped grad reduction, several distributed-optimizer instances, DP sizes

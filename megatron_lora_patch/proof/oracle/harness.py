@@ -26,6 +26,7 @@ import importlib.util
 import time
 from typing import Dict, List, Optional, Sequence
 
+from megatron_lora_patch.layout_invariant.checks import expert_layout_problem
 from megatron_lora_patch.layout_invariant.tree import LANES
 from megatron_lora_patch.proof.oracle import canonical
 from megatron_lora_patch.proof.oracle import thresholds as limits
@@ -96,11 +97,14 @@ def model_for(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
 def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
     """The model this topology runs, or one OracleError saying why it cannot run."""
     spec = model_for(topology, settings)
-    if settings.layout_invariant and (topology.cp > 1 or topology.etp > 2 or (spec.is_moe and topology.tp > 1)):
+    if settings.layout_invariant and topology.cp > 1:
         raise OracleError(
-            f"--layout-invariant covers tp, sp, dp and pp, and MoE at tp1 with ep and etp <= 2; {topology} also "
-            "uses cp, etp > 2 or tp with MoE: use topologies like tp2, tp2-sp, dp2, pp2, tp2-dp2, ep2, ep2-etp2"
+            f"--layout-invariant covers tp, sp, dp, pp, ep and etp; {topology} also uses cp: use topologies like "
+            "tp2, tp2-sp, dp2, pp2, tp2-dp2, ep2, ep2-etp2, tp2-ep2-sp"
         )
+    problem = spec.is_moe and expert_layout_problem(topology.tp, topology.etp, topology.ep)
+    if settings.layout_invariant and problem:
+        raise OracleError(f"--layout-invariant cannot run {topology}: {problem}")
     if settings.layout_invariant and LANES % topology.dp:
         raise OracleError(
             f"--layout-invariant needs a dp dividing {LANES} (1, 2, 4, 8); {topology} has dp{topology.dp}"
