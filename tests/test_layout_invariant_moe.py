@@ -14,6 +14,7 @@ Negative controls (each must show a non-zero difference):
   lanes, then the ranks are chained), on ep2 and dp4-ep2;
 - the layout mode with every source's tokens credited to the expert rank's own microbatch (what
   DDP's per-rank accumulation does), on dp4-ep2;
+- alltoall under expert TP (ep2-etp2): the sources read in group rank order instead of ETP-rank-major;
 - MoE at tp2 (tp2-ep2-etp2-sp): each sequence shard's tokens as one expert segment (what the mode did
   before its sequence blocks), 3.8e-6 off in the loss;
 - expert TP (ep2-etp2): every ETP rank handing the dispatcher the complete expert input grad (its
@@ -87,6 +88,16 @@ def _install_shard_segments(patcher) -> None:
     patcher.replace(experts, "_blocks_per_source", _one_block_per_source)
 
 
+def _group_order(etp, ep):
+    return list(range(etp * ep))
+
+
+def _install_group_order(patcher) -> None:
+    from megatron_lora_patch.layout_invariant import experts
+
+    patcher.replace(experts, "alltoall_source_order", _group_order)
+
+
 def _whole_input_grad(tensor, group):
     return tensor
 
@@ -115,6 +126,8 @@ OWN_MICROBATCH = Mutation("expert_own_microbatch", "every source's expert grad i
                           "dp4-ep2", model="moe", install=_install_own_microbatch)
 SHARD_SEGMENTS = Mutation("expert_shard_segments", "one expert segment per sequence shard, not per sequence block",
                           "tp2-ep2-etp2-sp", model="moe", install=_install_shard_segments)
+GROUP_ORDER = Mutation("alltoall_group_order", "alltoall sources read in group rank order, not ETP-rank-major",
+                       "ep2-etp2", model="moe", install=_install_group_order)
 
 WHOLE_INPUT_GRAD = Mutation("etp_whole_input_grad", "every ETP rank hands over the complete expert input grad",
                             "ep2-etp2", model="moe", install=_install_whole_input_grad)
@@ -145,12 +158,12 @@ def test_small_chunks_are_bitwise_equal_to_world_one():
     assert max_differences(candidate, reference) == ZERO
 
 
-def _alltoall_phases(topology_text: str, shapes=None):
+def _alltoall_phases(topology_text: str, shapes=None, mutation=None):
     """`_phases` with the MoE model on Megatron's alltoall token dispatcher."""
     from megatron_lora_patch.proof.testbed.runner import run_jobs
     from megatron_lora_patch.proof.testbed.topology import Topology
 
-    job = harness.make_job(Topology.parse(topology_text), MOE)
+    job = harness.make_job(Topology.parse(topology_text), MOE, mutation)
     job = dataclasses.replace(job, spec=job.spec.replace(moe_token_dispatcher_type="alltoall"))
     (records,) = run_jobs([job], timeout=600.0, warnings="ignore")
     shapes = shapes if shapes is not None else phases.adapter_shapes(records)
@@ -162,6 +175,9 @@ def test_alltoall_dispatcher_is_bitwise_equal_to_world_one():
     for topology in ("ep2", "dp4-ep2", "ep2-etp2", "tp2-ep2-etp2-sp"):
         candidate, _ = _alltoall_phases(topology, shapes)
         assert max_differences(candidate, reference) == ZERO, topology
+    candidate, _ = _alltoall_phases("ep2-etp2", shapes, mutation=GROUP_ORDER)  # negative control
+    differences = max_differences(candidate, reference)
+    assert differences["loss"] > 0 and differences["grads"] > 0, differences
 
 
 def test_distributed_optimizer_on_experts_is_bitwise(moe_reference):

@@ -128,6 +128,12 @@ def allgather_dispatch_postprocess(wrapped, instance, args, kwargs):
     return result
 
 
+def alltoall_source_order(etp: int, ep: int) -> List[int]:
+    """The TP x EP group ranks (`ep_rank * etp + etp_rank`) in the order the alltoall dispatcher delivers their
+    tokens under expert TP: ETP-rank-major (the all-to-all's output gathered over ETP)."""
+    return [ep_rank * etp + etp_rank for etp_rank in range(etp) for ep_rank in range(ep)]
+
+
 def alltoall_dispatch_preprocess(wrapped, instance, args, kwargs):
     """wrapt wrapper of `MoEAlltoAllTokenDispatcher.dispatch_preprocess(hidden, routing_map, probs)`:
     the all-to-all delivers each source's tokens in EP group rank order and `sort_chunks_by_idxs`
@@ -143,7 +149,7 @@ def alltoall_dispatch_preprocess(wrapped, instance, args, kwargs):
     if len(sources) > 1:
         pieces = [torch.empty_like(counts) for _ in sources]
         torch.distributed.all_gather(pieces, counts, group=instance.tp_ep_group)
-        order = [ep * instance.tp_size + tp for tp in range(instance.tp_size) for ep in range(instance.ep_size)]
+        order = alltoall_source_order(instance.tp_size, instance.ep_size)
         pieces, sources = [pieces[i] for i in order], tuple(sources[i] for i in order)
     else:
         pieces = [counts]
