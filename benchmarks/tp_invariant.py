@@ -193,6 +193,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--topology", default="tp2", help="tp2, tp2-sp, dp2, pp2, tp2-dp2, ... (testbed spec)")
     parser.add_argument("--global-batch", type=int, default=8, help="samples per step (micro batch 1)")
+    parser.add_argument("--experts", type=int, default=0, help="MoE: routed experts per layer, top-2 (0: dense)")
     options = parser.parse_args()
     spec = TinyGPTSpec(
         hidden_size=options.hidden,
@@ -201,6 +202,7 @@ def main() -> None:
         num_query_groups=4,
         vocab_size=512,
         seq_length=options.seq,
+        num_experts=options.experts or None,
     )
     topology, world = options.topology, Topology.parse(options.topology).world_size
     steps = options.warmup + options.steps

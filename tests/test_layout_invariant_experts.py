@@ -9,9 +9,9 @@ and real TransformerConfigs: no world.
 - the expert-lane combine takes each lane from the one rank holding it and runs the canonical tree:
   the world-1 bits for the dp4 ep2 split, which is not a subtree ({0, 1, 4, 5} / {2, 3, 6, 7}); a
   rank-order chain (the mutation) differs; a lane held twice is refused in one line;
-- sequence blocks: whatever order a microbatch's blocks arrive in (sequence shards of several TP
-  ranks, autograd's order), the flush chains them in block order, the world-1 bits; the arrival-order
-  chain (the mutation) differs; a block arriving twice is a bug (traceback);
+- sequence shards: one microbatch's shards (its DP rank's TP ranks) are joined in TP rank order
+  whatever order the dispatcher delivers them in, and the joined weight grad is world 1's bits; the
+  shards chunked on their own (the mutation) differ; experts without tokens stay in the graph;
 - MoE settings the mode does not cover are refused with one line naming the fix (the alltoall
   dispatcher is covered, others are not).
 """
@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from megatron_lora_patch.layout_invariant import LayoutInvariantUnsupported, experts
-from megatron_lora_patch.layout_invariant.expert_blocks import SEQUENCE_BLOCKS, PendingBlocks
 from megatron_lora_patch.layout_invariant.expert_lanes import combine_lanes
 from megatron_lora_patch.layout_invariant.tree import LANES, canonical_sum
 
@@ -102,35 +101,28 @@ def test_missing_lanes_are_skipped_and_a_lane_held_twice_is_refused():
         combine_lanes(*_split(lanes, [{2}, {2}]))
 
 
-def _flushed(pending: PendingBlocks) -> dict:
-    added = {}
-    pending.flush(lambda param, grad, microbatch: added.setdefault((param, microbatch), grad))
-    return added
+def test_microbatch_segments_join_the_sequence_shards_of_one_microbatch_in_tp_order():
+    # delivery order as the alltoall dispatcher under expert TP has it: (dp, tp) = (0, 1), (1, 1), (0, 0), (1, 0)
+    keyed = [((0, 1), 3), ((1, 1), 2), ((0, 0), 4), ((1, 0), 0)]
+    assert experts.microbatch_segments(keyed, 10) == [(0, [(15, 19), (10, 13)]), (1, [(19, 19), (13, 15)])]
+    assert experts.microbatch_segments([((2, 0), 5)], 0) == [(2, [(0, 5)])]  # tp1: one source per microbatch
 
 
-def test_sequence_blocks_are_chained_in_block_order_whatever_their_arrival():
-    blocks, param = _lanes(seed=3), object()
-    assert len(blocks) == SEQUENCE_BLOCKS
-    world_one = experts.chained(blocks)
-    for arrival in ([0, 1, 2, 3, 4, 5, 6, 7], [4, 5, 6, 7, 0, 1, 2, 3], [6, 7, 2, 3, 4, 5, 0, 1]):
-        pending = PendingBlocks()
-        for block in arrival:
-            pending.add(param, 5, block, blocks[block])
-        assert torch.equal(_flushed(pending)[(param, 5)], world_one), arrival
-        assert _flushed(pending) == {}
-    assert not torch.equal(experts.chained([blocks[block] for block in [6, 7, 2, 3, 4, 5, 0, 1]]), world_one)
+def test_joined_shards_give_the_world_one_weight_grad():
+    """The weight grad of a microbatch's tokens joined from its two shards equals world 1's (one segment) bit
+    for bit; the shards chunked on their own (the mutation the mode must not be) differ."""
+    generator = torch.Generator().manual_seed(7)
+    tokens, grads = torch.randn(40, 32, generator=generator), torch.randn(40, 16, generator=generator)
 
+    def weight_grad(rows):  # chained chunk partials of grads^T tokens, chunks of 64 rows
+        return experts.chained([experts.padded(grads[rows][start:stop], 64).t().mm(
+            experts.padded(tokens[rows][start:stop], 64)) for start, stop in experts.chunk_bounds(len(rows), 64)])
 
-def test_missing_blocks_are_skipped_and_microbatches_kept_apart():
-    blocks, param, pending = _lanes(seed=4), object(), PendingBlocks()
-    pending.add(param, 1, 6, blocks[6])
-    pending.add(param, 1, 2, blocks[2])
-    pending.add(param, 9, 2, blocks[3])
-    added = _flushed(pending)
-    assert torch.equal(added[(param, 1)], blocks[2] + blocks[6]) and torch.equal(added[(param, 9)], blocks[3])
-    pending.add(param, 1, 2, blocks[2])
-    with pytest.raises(RuntimeError, match="expert block 2 of microbatch 1 arrived twice"):
-        pending.add(param, 1, 2, blocks[2])
+    world_one = weight_grad(list(range(40)))
+    (_, ranges), = experts.microbatch_segments([((0, 1), 17), ((0, 0), 23)], 0)
+    joined = [row for start, stop in ranges for row in range(start, stop)]
+    assert torch.equal(weight_grad([row - 17 if row >= 17 else row + 23 for row in joined]), world_one)
+    assert not torch.equal(weight_grad(list(range(23))) + weight_grad(list(range(23, 40))), world_one)
 
 
 def test_experts_without_tokens_keep_hidden_and_probs_in_the_graph():

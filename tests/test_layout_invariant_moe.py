@@ -15,8 +15,8 @@ Negative controls (each must show a non-zero difference):
 - the layout mode with every source's tokens credited to the expert rank's own microbatch (what
   DDP's per-rank accumulation does), on dp4-ep2;
 - alltoall under expert TP (ep2-etp2): the sources read in group rank order instead of ETP-rank-major;
-- MoE at tp2 (tp2-ep2-etp2-sp): each sequence shard's tokens as one expert segment (what the mode did
-  before its sequence blocks), 3.8e-6 off in the loss;
+- MoE at tp2 (tp2-ep2-etp2-sp): each sequence shard's tokens as its own expert segment, not joined
+  with the other shards of its microbatch;
 - expert TP (ep2-etp2): every ETP rank handing the dispatcher the complete expert input grad (its
   reduce-scatter then doubles it), and the router-probability grad left to Megatron (per-ETP-rank
   partial sums over the FFN columns, added by the dispatcher).
@@ -68,7 +68,7 @@ def _install_rank_order(patcher) -> None:
 def _own_microbatch_only(group):
     from megatron.core import parallel_state
 
-    own = parallel_state.get_data_parallel_rank()  # each member its own blocks, all in this rank's microbatch
+    own = parallel_state.get_data_parallel_rank()  # every member joined into this rank's microbatch
     return tuple((own, member) for member in range(torch.distributed.get_world_size(group)))
 
 
@@ -78,14 +78,18 @@ def _install_own_microbatch(patcher) -> None:
     patcher.replace(experts, "_source_ranks", _own_microbatch_only)
 
 
-def _one_block_per_source(tokens_per_source):
-    return 1
+def _one_segment_per_shard(keyed, start):
+    segments = []
+    for (dp_rank, _), count in keyed:
+        segments.append((dp_rank, [(start, start + count)]))
+        start += count
+    return segments
 
 
 def _install_shard_segments(patcher) -> None:
     from megatron_lora_patch.layout_invariant import experts
 
-    patcher.replace(experts, "_blocks_per_source", _one_block_per_source)
+    patcher.replace(experts, "microbatch_segments", _one_segment_per_shard)
 
 
 def _group_order(etp, ep):
@@ -124,7 +128,7 @@ RANK_ORDER = Mutation("expert_rank_order", "expert lanes chained in rank order, 
                       model="moe", install=_install_rank_order)
 OWN_MICROBATCH = Mutation("expert_own_microbatch", "every source's expert grad in the rank's own microbatch lane",
                           "dp4-ep2", model="moe", install=_install_own_microbatch)
-SHARD_SEGMENTS = Mutation("expert_shard_segments", "one expert segment per sequence shard, not per sequence block",
+SHARD_SEGMENTS = Mutation("expert_shard_segments", "one expert segment per sequence shard, not per microbatch",
                           "tp2-ep2-etp2-sp", model="moe", install=_install_shard_segments)
 GROUP_ORDER = Mutation("alltoall_group_order", "alltoall sources read in group rank order, not ETP-rank-major",
                        "ep2-etp2", model="moe", install=_install_group_order)

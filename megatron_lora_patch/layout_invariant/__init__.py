@@ -5,9 +5,8 @@ math); this package adds what data, pipeline and expert parallelism change:
 - `tree`: the canonical reduction tree over global microbatches (lanes, subtree property);
 - `lanes` (hooks) and `buffer_lanes`: per-microbatch adapter grads summed into lanes instead of
   Megatron's running `main_grad`, and the DP all-gather of lane partials that replaces DDP's all-reduce;
-- `experts`, `expert_blocks` and `expert_lanes`: MoE experts on fixed-size token chunks per global
-  microbatch and sequence block, the blocks chained in block order, and the all-lane combine of
-  expert-parallel buffers;
+- `experts` and `expert_lanes`: MoE experts on fixed-size token chunks per global microbatch (its
+  sequence shards joined), and the all-lane combine of expert-parallel buffers;
 - `losses`: the reported loss reduced over global microbatches in one fixed order;
 - `checks`: the one-line refusals of what the mode does not cover;
 - (`integrations.layout_invariant` holds what the `layout_invariant` patch installs on Megatron-Core.)

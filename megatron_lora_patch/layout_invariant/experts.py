@@ -11,25 +11,25 @@ its weight grads mix, change with the layout. Here:
   .dispatch_preprocess` by every source's routing-map column sums. Both dispatchers deliver an
   expert's tokens as one contiguous segment per source, sources in group rank order, each in that
   source's token order: exactly the tokens that expert gets from that source's microbatch (or, under
-  sequence parallelism, its sequence shard) at world size 1. The counts are split further by the
-  `expert_blocks.SEQUENCE_BLOCKS` blocks of the microbatch's token positions, so the segments do not
-  depend on how tp shards the sequence;
-- `SequentialMLP.forward` runs each local expert on each block segment in chunks of exactly
+  sequence parallelism, its sequence shard) at world size 1;
+- `SequentialMLP.forward` joins the shards of one microbatch (the sources of one DP rank, in TP rank,
+  i.e. sequence, order: `microbatch_segments`) into one segment, so the segments do not depend on how
+  tp shards the sequence, and runs each local expert on each segment in chunks of exactly
   `CHUNK_TOKENS` rows (the last one padded with zero rows, whose outputs are dropped and whose
   output grads are zero): every GEMM has the same shape on every layout, so each row and each
   chunk's weight-grad partial are the same bits; the router probabilities are applied on fc2's
   input with a canonical grad (`layout_invariant.expert_probs`, needed under expert TP);
 - backward (`_ExpertSegment`) takes each chunk's grads with `torch.autograd.grad`, chains the
-  chunks' weight grads in order and keeps the sum as its block of global microbatch
+  chunks' weight grads in order and adds the sum into the lane of the segment's global microbatch
   `g = i * dp + source DP rank` (`i`: the local microbatch whose backward runs, the same on all EP
-  ranks) until `backward_step` ends, which chains the blocks into g's lane; the expert's parameters
-  never get `.grad`, so DDP's own hook does not see them (`layout_invariant.expert_lanes` combines
-  their lanes).
+  ranks); the expert's parameters never get `.grad`, so DDP's own hook does not see them
+  (`layout_invariant.expert_lanes` combines their lanes).
 
 Combining a token's top-k expert outputs stays Megatron's: a scatter-add into zeros, then under EP
 a reduce-scatter over the TP x EP group in which every other rank adds exact zeros; with top-k <= 2
 that is `0 + a + b` in any order, the same bits (`checks` refuses larger k). Cost: padding (up to
-`CHUNK_TOKENS - 1` rows per expert, sequence block and microbatch) and one autograd graph per chunk.
+`CHUNK_TOKENS - 1` rows per expert and microbatch), one autograd graph per chunk and, under sequence
+parallelism, a copy of the expert's tokens and outputs (joining and splitting the shards).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import torch
 import torch.distributed
 
 from megatron_lora_patch.layout_invariant import LayoutInvariantUnsupported
-from megatron_lora_patch.layout_invariant.expert_blocks import PENDING, SEQUENCE_BLOCKS
 from megatron_lora_patch.layout_invariant.expert_probs import scaled_expert
 
 #: Rows of every expert GEMM: a segment of n tokens runs as ceil(n / CHUNK_TOKENS) chunks of this size.
@@ -95,26 +94,26 @@ def _sources(dispatcher: Any) -> Tuple[Tuple[int, int], ...]:
     return ((parallel_state.get_data_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()),)
 
 
-def _blocks_per_source(tokens_per_source: int) -> int:
-    """Sequence blocks in one source's tokens: its sequence shard holds `SEQUENCE_BLOCKS / tp` of them."""
-    from megatron.core import parallel_state
-
-    blocks = SEQUENCE_BLOCKS // parallel_state.get_tensor_model_parallel_world_size()
-    if tokens_per_source % blocks:
-        raise LayoutInvariantUnsupported(
-            f"layout_invariant: a rank's {tokens_per_source} MoE tokens do not split into its {blocks} sequence "
-            f"blocks; use seq_length * micro_batch_size divisible by {SEQUENCE_BLOCKS}"
-        )
-    return blocks
-
-
 def _hand_over(counts: torch.Tensor, sources: Tuple[Tuple[int, int], ...]) -> None:
-    """Hand the experts `counts[source, block, local expert]` as keyed segments in delivery order."""
-    blocks = counts.shape[1]
-    segments = [[((dp, tp * blocks + block), int(counts[index, block, expert]))
-                 for index, (dp, tp) in enumerate(sources) for block in range(blocks)]
-                for expert in range(counts.shape[2])]
+    """Hand the experts `counts[source, local expert]` as `((DP rank, TP rank), count)` segments in delivery order."""
+    segments = [[(source, int(counts[index, expert])) for index, source in enumerate(sources)]
+                for expert in range(counts.shape[1])]
     _HANDOVER.update(segments=segments)
+
+
+Segments = List[Tuple[int, List[Tuple[int, int]]]]
+
+
+def microbatch_segments(keyed: List[Tuple[Tuple[int, int], int]], start: int) -> Segments:
+    """`[(source DP rank, its (start, stop) row ranges in sequence order)]` of one expert's delivered segments,
+    the first at row `start`: the sequence shards of one microbatch (its DP rank's TP ranks) in TP rank order,
+    i.e. the microbatch's tokens in the order world size 1 has them."""
+    by_microbatch: Dict[int, List[Tuple[int, int, int]]] = {}
+    for (dp_rank, tp_rank), count in keyed:
+        by_microbatch.setdefault(dp_rank, []).append((tp_rank, start, start + count))
+        start += count
+    return [(dp_rank, [(first, stop) for _, first, stop in sorted(shards)])
+            for dp_rank, shards in by_microbatch.items()]
 
 
 def allgather_dispatch_postprocess(wrapped, instance, args, kwargs):
@@ -122,9 +121,7 @@ def allgather_dispatch_postprocess(wrapped, instance, args, kwargs):
     token counts of each local expert (read off its `local_map`) to the experts' forward."""
     result = wrapped(*args, **kwargs)
     local_map, sources = instance.local_map, _sources(instance)
-    per_source = local_map.reshape(len(sources), -1, local_map.shape[-1])
-    blocks = _blocks_per_source(per_source.shape[1])
-    _hand_over(per_source.reshape(len(sources), blocks, -1, local_map.shape[-1]).sum(dim=2), sources)
+    _hand_over(local_map.reshape(len(sources), -1, local_map.shape[-1]).sum(dim=1), sources)
     return result
 
 
@@ -144,8 +141,7 @@ def alltoall_dispatch_preprocess(wrapped, instance, args, kwargs):
     Megatron reads them)."""
     routing_map = args[1] if len(args) > 1 else kwargs["routing_map"]
     sources = _sources(instance)
-    blocks = _blocks_per_source(routing_map.shape[0])
-    counts = routing_map.reshape(blocks, -1, routing_map.shape[-1]).sum(dim=1).long()
+    counts = routing_map.sum(dim=0).long()
     if len(sources) > 1:
         pieces = [torch.empty_like(counts) for _ in sources]
         torch.distributed.all_gather(pieces, counts, group=instance.tp_ep_group)
@@ -154,7 +150,7 @@ def alltoall_dispatch_preprocess(wrapped, instance, args, kwargs):
     else:
         pieces = [counts]
     first, last = instance.local_expert_indices[0], instance.local_expert_indices[-1]
-    _hand_over(torch.stack(pieces)[:, :, first:last + 1], sources)
+    _hand_over(torch.stack(pieces)[:, first:last + 1], sources)
     return wrapped(*args, **kwargs)
 
 
@@ -163,9 +159,9 @@ class _ExpertSegment(torch.autograd.Function):
     into the lane of the source's global microbatch."""
 
     @staticmethod
-    def forward(ctx, tokens, probs, expert, key):
+    def forward(ctx, tokens, probs, expert, source_dp_rank):
         ctx.params = [param for param in expert.parameters() if param.requires_grad]
-        ctx.key, ctx.rows, ctx.chunks = key, tokens.shape[0], []
+        ctx.source_dp_rank, ctx.rows, ctx.chunks = source_dp_rank, tokens.shape[0], []
         outputs = []
         for start, stop in chunk_bounds(tokens.shape[0], CHUNK_TOKENS):
             with torch.enable_grad():
@@ -188,32 +184,30 @@ class _ExpertSegment(torch.autograd.Function):
             grad_probs.append(grads[1][: stop - start])
             per_chunk.append(grads[2:])
         ctx.chunks = []
-        _add_block(ctx.params, per_chunk, ctx.key)
+        _add_to_lanes(ctx.params, per_chunk, ctx.source_dp_rank)
         return torch.cat(grad_tokens), torch.cat(grad_probs), None, None
 
 
-def _add_block(params: List[Any], per_chunk: List[tuple], key: Tuple[int, int]) -> None:
-    """Keep each parameter's chained chunk grads as block `key[1]` of global microbatch `i * dp + key[0]`."""
+def _add_to_lanes(params: List[Any], per_chunk: List[tuple], source_dp_rank: int) -> None:
     from megatron.core import parallel_state
 
-    from megatron_lora_patch.layout_invariant.lanes import MICROBATCHES
+    from megatron_lora_patch.layout_invariant.lanes import MICROBATCHES, lanes_of_param
 
     if MICROBATCHES.current is None:
         raise LayoutInvariantUnsupported(
             "layout_invariant: an expert's backward ran outside Megatron's schedule (backward_step), so its "
             "global microbatch is unknown; run backward through get_forward_backward_func()"
         )
-    source_dp_rank, block = key
     microbatch = MICROBATCHES.current * parallel_state.get_data_parallel_world_size() + source_dp_rank
     for index, param in enumerate(params):
         total = chained([grads[index] for grads in per_chunk])
         if total is not None:
-            PENDING.add(param, microbatch, block, total)
+            lanes_of_param(param).add_global(param, total, microbatch)
 
 
-def _run_segment(expert: Any, tokens: torch.Tensor, probs: torch.Tensor, key: Tuple[int, int]) -> torch.Tensor:
+def _run_segment(expert: Any, tokens: torch.Tensor, probs: torch.Tensor, source_dp_rank: int) -> torch.Tensor:
     if torch.is_grad_enabled():
-        return _ExpertSegment.apply(tokens, probs, expert, key)
+        return _ExpertSegment.apply(tokens, probs, expert, source_dp_rank)
     outputs = [scaled_expert(expert, padded(tokens[start:stop], CHUNK_TOKENS), padded(probs[start:stop], CHUNK_TOKENS))
                [: stop - start] for start, stop in chunk_bounds(tokens.shape[0], CHUNK_TOKENS)]
     return torch.cat(outputs)
@@ -234,13 +228,17 @@ def sequential_forward(wrapped, instance, args, kwargs):
             "layout_invariant: the experts' token counts do not match the dispatcher's routing map; "
             "turn the layout_invariant patch off for this MoE set-up"
         )
-    outputs, start = [], 0
+    by_start, offset = {}, 0
     for expert, keyed in zip(instance.local_experts, segments):
-        for key, count in keyed:
-            if count:
-                stop = start + count
-                outputs.append(_run_segment(expert, hidden[start:stop], probs[start:stop], key))
-                start = stop
+        for source_dp_rank, ranges in microbatch_segments(keyed, offset):
+            counts = [stop - start for start, stop in ranges]
+            if sum(counts):
+                tokens = torch.cat([hidden[start:stop] for start, stop in ranges])
+                weights = torch.cat([probs[start:stop] for start, stop in ranges])
+                shards = _run_segment(expert, tokens, weights, source_dp_rank).split(counts)
+                by_start.update((start, shard) for (start, _), shard in zip(ranges, shards) if shard.shape[0])
+        offset += sum(count for _, count in keyed)
+    outputs = [by_start[start] for start in sorted(by_start)]  # back in delivery order
     if not outputs:
         # no token reached these experts: the output still depends on hidden and probs, as Megatron's (run on
         # empty tensors) does, so this rank joins the dispatcher's backward collectives like every other rank

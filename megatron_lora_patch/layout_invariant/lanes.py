@@ -26,7 +26,6 @@ from typing import Any, Dict, Optional
 
 from megatron_lora_patch.layout_invariant import LayoutInvariantUnsupported
 from megatron_lora_patch.layout_invariant.buffer_lanes import BufferLanes
-from megatron_lora_patch.layout_invariant.expert_blocks import PENDING
 from megatron_lora_patch.layout_invariant.expert_lanes import ExpertBufferLanes
 
 #: DDP module -> {param: its BufferLanes}
@@ -108,17 +107,12 @@ def make_backward_post_hook(wrapped, instance, args, kwargs):
 
 
 def counted_backward_step(wrapped, instance, args, kwargs):
-    """wrapt wrapper of `schedules.backward_step`: number the microbatches whose grads arrive; add the
-    expert grads of the microbatch, complete over its sequence blocks, into their lanes (`expert_blocks`)."""
+    """wrapt wrapper of `schedules.backward_step`: number the microbatches whose grads arrive."""
     MICROBATCHES.current = MICROBATCHES.started
     MICROBATCHES.started += 1
     try:
-        result = wrapped(*args, **kwargs)
-        # every expert segment of this microbatch has run backward: its sequence blocks are complete
-        PENDING.flush(lambda param, grad, microbatch: lanes_of_param(param).add_global(param, grad, microbatch))
-        return result
+        return wrapped(*args, **kwargs)
     finally:
-        PENDING.clear()
         MICROBATCHES.current = None
 
 

@@ -25,9 +25,9 @@ What it changes (the hooks are `megatron_lora_patch.integrations.layout_invarian
   tree (an all-gather replaces DDP's all-reduce / reduce-scatter) (`layout_invariant.lanes`).
 - `SequentialMLP.forward`, `MoEAllGatherTokenDispatcher.dispatch_postprocess`,
   `MoEAlltoAllTokenDispatcher.dispatch_preprocess`: each local expert
-  runs on each source rank's tokens in fixed-size chunks per sequence block; its grads, chained in
-  block order, go into the lanes of their global microbatches (`layout_invariant.expert_blocks`),
-  combined over all lanes under ep > 1 (`layout_invariant.experts`, `layout_invariant.expert_lanes`);
+  runs on each microbatch's tokens (its sequence shards joined) in fixed-size chunks; its grads go into
+  the lanes of their global microbatches, combined over all lanes under ep > 1 (`layout_invariant.experts`,
+  `layout_invariant.expert_lanes`);
   the router probabilities are applied on `linear_fc2`'s input with a canonical grad (`layout_invariant.expert_probs`).
 - `lora.grad_sync.set_complete_domains({"tp", "expert_tp"})`: replicated factors (dense and
   expert) leave the finalize SUM (their grads are complete on every rank).
