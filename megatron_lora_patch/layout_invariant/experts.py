@@ -45,7 +45,7 @@ from megatron_lora_patch.layout_invariant.expert_probs import scaled_expert
 #: Rows of every expert GEMM: a segment of n tokens runs as ceil(n / CHUNK_TOKENS) chunks of this size.
 CHUNK_TOKENS = 64
 
-#: {"segments": per local expert, the `((source DP rank, sequence block), token count)` of each segment in
+#: {"segments": per local expert, the `((source DP rank, source TP rank), token count)` of each segment in
 #: delivery order}, set by the dispatcher wrapper and taken by the experts' forward that follows it.
 _HANDOVER: Dict[str, Any] = {}
 #: group -> the dense (DP rank, TP rank) of each member, in group rank order (one all-gather per group).
@@ -117,8 +117,8 @@ def microbatch_segments(keyed: List[Tuple[Tuple[int, int], int]], start: int) ->
 
 
 def allgather_dispatch_postprocess(wrapped, instance, args, kwargs):
-    """wrapt wrapper of `MoEAllGatherTokenDispatcher.dispatch_postprocess`: hand the per-source, per-block
-    token counts of each local expert (read off its `local_map`) to the experts' forward."""
+    """wrapt wrapper of `MoEAllGatherTokenDispatcher.dispatch_postprocess`: hand the per-source token
+    counts of each local expert (read off its `local_map`) to the experts' forward."""
     result = wrapped(*args, **kwargs)
     local_map, sources = instance.local_map, _sources(instance)
     _hand_over(local_map.reshape(len(sources), -1, local_map.shape[-1]).sum(dim=1), sources)
@@ -135,8 +135,8 @@ def alltoall_dispatch_preprocess(wrapped, instance, args, kwargs):
     """wrapt wrapper of `MoEAlltoAllTokenDispatcher.dispatch_preprocess(hidden, routing_map, probs)`:
     the all-to-all delivers each source's tokens in EP group rank order and `sort_chunks_by_idxs`
     groups them by local expert keeping that order, so the per-source counts of each local expert
-    are every source's routing-map column sums per sequence block (one small all-gather over the
-    TP x EP group). Under expert TP the all-to-all's output is then gathered over ETP, so sources
+    are every source's routing-map column sums (one small all-gather over the TP x EP group). Under
+    expert TP the all-to-all's output is then gathered over ETP, so sources
     arrive ETP-rank-major, while the group ranks them EP-major (`ep_rank * tp_size + tp_rank`, as
     Megatron reads them)."""
     routing_map = args[1] if len(args) > 1 else kwargs["routing_map"]
