@@ -1,16 +1,36 @@
 """megatron-lora-patch: topology-correct LoRA for Megatron-Core, applied by import-time patches.
 
-This package is imported by the start-up `.pth` hook, so importing it must stay cheap:
-the programmatic API (`apply`, `revert`, `status`) is loaded on first use.
+The public API is what this module names in `__all__` (docs/api.md); internal modules may move, these names
+do not. This package is imported by the start-up `.pth` hook, so importing it must stay cheap: every name is
+loaded on first use.
 """
 
 __version__ = "0.1.0"
-__all__ = ["apply", "revert", "status", "SkipPatch"]
+
+#: public name -> (module that defines it, attribute; None: the module itself)
+_PUBLIC = {
+    "apply": ("megatron_lora_patch.runtime.registry", "apply"),
+    "revert": ("megatron_lora_patch.runtime.registry", "revert"),
+    "status": ("megatron_lora_patch.runtime.registry", "status"),
+    "SkipPatch": ("megatron_lora_patch.runtime.registry", "SkipPatch"),
+    "save_adapters": ("megatron_lora_patch.lora.checkpoints.checkpoint", "save_adapters"),
+    "load_adapters": ("megatron_lora_patch.lora.checkpoints.checkpoint", "load_adapters"),
+    "export_peft": ("megatron_lora_patch.lora.exchange.transfer", "export_peft"),
+    "import_peft": ("megatron_lora_patch.lora.exchange.transfer", "import_peft"),
+    "handoff": ("megatron_lora_patch.handoff", None),
+}
+__all__ = list(_PUBLIC)
 
 
-def __getattr__(name: str):  # no `typing` here: this module is on the start-up path
-    if name in __all__:
-        from megatron_lora_patch.runtime import registry
+def __getattr__(name: str):  # no `typing` or `importlib` at import time: this module is on the start-up path
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'megatron_lora_patch' has no attribute {name!r}")
+    import importlib
 
-        return getattr(registry, name)
-    raise AttributeError(f"module 'megatron_lora_patch' has no attribute {name!r}")
+    module_name, attribute = _PUBLIC[name]
+    module = importlib.import_module(module_name)
+    return module if attribute is None else getattr(module, attribute)
+
+
+def __dir__():
+    return sorted([*globals(), *_PUBLIC])
