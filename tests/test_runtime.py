@@ -151,4 +151,24 @@ def test_status_rows_describe_every_patch(target, fresh):
         "source": "default",
         "state": "applied",
         "detail": "",
+        "absent": (),
     }
+
+
+def test_an_applied_patch_names_its_absent_optional_targets(target, fresh):
+    """A target module that does not import here (Transformer Engine's extensions without TE, a model family an
+    older Megatron-Core lacks) leaves the patch applied; status says how many optional targets are absent."""
+    from megatron_lora_patch.cli.status import format_table
+    from megatron_lora_patch.runtime.patching import PatchSpec
+
+    fresh.apply(["demo"])
+    record = fresh._records["demo_shout"]
+    record.spec = PatchSpec("demo_shout", "upper-cases greet()", {"demo_target": None, "demo_absent": None},
+                            ">=0.13", True)
+    assert fresh.import_targets() is None
+    row = {row.patch: row for row in fresh.status()}["demo_shout"]
+    assert (row.state, row.detail) == ("applied", "")
+    assert row.absent == ("demo_absent (No module named 'demo_absent')",)
+    text = format_table([row], ["applied"], {"installed": True, "path": "x", "ran_here": True})
+    assert "  applied (1 optional target absent: demo_absent (No module named 'demo_absent'))" in text
+    assert "unavailable" not in text

@@ -104,7 +104,7 @@ def format_table(rows: Sequence["object"], fresh: Sequence[str], hook: dict) -> 
             r.installed,
             f"{'on' if r.enabled else 'off'} ({r.source})",
             state,
-            r.state + (f": {r.detail}" if r.detail else ""),
+            r.state_text(),
         )
         for r, state in zip(rows, fresh)  # type: ignore[attr-defined]
     ]

@@ -35,6 +35,15 @@ class PatchStatus:
     source: str  # where `enabled` came from: arg, env or default
     state: str  # applied, skipped, failed, untested, disabled, reverted, not imported yet, not configured
     detail: str = ""
+    absent: tuple = ()  # optional target modules that do not import here, each "module (import error)"
+
+    def state_text(self) -> str:
+        """The state as `status` prints it: "applied (2 optional targets absent: ...)", then any detail."""
+        text = self.state
+        if self.absent:
+            count = len(self.absent)
+            text += f" ({count} optional target{'s' if count > 1 else ''} absent: {', '.join(self.absent)})"
+        return text + (f": {self.detail}" if self.detail else "")
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -23,7 +23,7 @@ class PatchRecord:
     version_checked: bool = False
     patcher: Patcher = dataclasses.field(default_factory=Patcher)
     applied_modules: set = dataclasses.field(default_factory=set)
-    unavailable: dict = dataclasses.field(default_factory=dict)  # module -> import error text
+    unavailable: dict = dataclasses.field(default_factory=dict)  # optional target module -> import error text
 
     def revert(self, state: str) -> None:
         """Put back every original the patch changed and enter `state`."""
@@ -47,7 +47,6 @@ class PatchRecord:
         pending = [m for m in self.spec.hooks if m not in self.applied_modules and m not in self.unavailable]
         if self.state == "applied" and pending:
             parts.append("not imported yet: " + ", ".join(pending))
-        parts += [f"unavailable: {module} ({error})" for module, error in self.unavailable.items()]
         return "; ".join(parts)
 
     def status(self, installed: Optional[versions.Version]) -> PatchStatus:
@@ -61,6 +60,7 @@ class PatchRecord:
             source=self.source,
             state=self.state,
             detail=self.details(),
+            absent=tuple(f"{module} ({error})" for module, error in self.unavailable.items()),
         )
 
 
