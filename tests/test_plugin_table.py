@@ -5,6 +5,7 @@ so they load from a bare checkout) and the table equals the entry points pyproje
 from __future__ import annotations
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -30,3 +31,23 @@ def test_apply_from_a_bare_checkout(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert pathlib.Path(result.stdout.split()[-1]) == REPO
+
+
+def _ci_minors() -> list:
+    """The Megatron-Core minors scripts/run-tests.sh runs: NEWEST (the whole suite) and SMOKE."""
+    script = (REPO / "scripts" / "run-tests.sh").read_text()
+    newest = re.search(r"^NEWEST=([\d.]+)$", script, re.M).group(1)
+    smoke = re.search(r"^SMOKE=\(([^)]*)\)$", script, re.M).group(1).split()
+    return sorted([newest, *smoke], key=lambda minor: tuple(map(int, minor.split("."))))
+
+
+def test_every_declared_minor_is_run_by_ci_and_no_other():
+    """The range the patches declare (one constant, `patches.tested_range`) is the range CI tests."""
+    from megatron_lora_patch.patches import NEWEST_TESTED, OLDEST_TESTED, tested_range
+    from megatron_lora_patch.plugins import cpu_testbed, lora_correct
+
+    low, high = (tuple(map(int, minor.split("."))) for minor in (OLDEST_TESTED, NEWEST_TESTED))
+    declared = [f"{low[0]}.{minor}" for minor in range(low[1], high[1] + 1)]
+    assert _ci_minors() == declared
+    ranges = {module.SPEC.versions for module in (*lora_correct.PATCHES, *cpu_testbed.PATCHES)}
+    assert tested_range() in ranges and all(text.endswith(tested_range().split(",")[1]) for text in ranges), ranges

@@ -172,3 +172,32 @@ def test_an_applied_patch_names_its_absent_optional_targets(target, fresh):
     text = format_table([row], ["applied"], {"installed": True, "path": "x", "ran_here": True})
     assert "  applied (1 optional target absent: demo_absent (No module named 'demo_absent'))" in text
     assert "unavailable" not in text
+
+
+def test_wrap_points_the_modules_that_imported_the_function_at_the_wrapper(monkeypatch, caplog):
+    """`Patcher.wrap(..., reexported_by=...)`: an earlier `from x import f` copy gets the wrapper, a later one
+    copies it, a copy someone else replaced is left alone with a warning; revert gives every copy the original."""
+    import sys
+    import types
+
+    from megatron_lora_patch.runtime.patching import Patcher, is_wrapped_by_us
+
+    def original():
+        return "original"
+
+    owner, earlier, later, foreign = (types.ModuleType(name) for name in ("owner", "earlier", "later", "foreign"))
+    owner.f = earlier.f = original
+    foreign.f = lambda: "someone else's"
+    for module in (owner, earlier, later, foreign):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    patcher = Patcher()
+    with caplog.at_level(logging.WARNING, logger="megatron_lora_patch"):
+        proxy = patcher.wrap(owner, "f", lambda wrapped, instance, args, kwargs: "patched",
+                             reexported_by=("earlier", "later", "foreign", "not_imported"))
+    later.f = owner.f  # imported while patched
+    assert owner.f is proxy and earlier.f is proxy and later.f is proxy and earlier.f() == "patched"
+    assert foreign.f() == "someone else's" and not is_wrapped_by_us(foreign.f)
+    assert ["foreign.f was replaced by someone else; only owner.f is patched" in record.getMessage()
+            for record in caplog.records] == [True]
+    patcher.revert()
+    assert owner.f is original and earlier.f is original and later.f is original

@@ -37,34 +37,3 @@ def host_only_hook(library: str, installer: str):
 
     hook.__name__ = hook.__qualname__ = installer
     return hook
-
-
-def wrap_with_reexports(patcher, module, attribute: str, wrapper, reexported_by=()) -> None:
-    """Wrap `module.attribute` and the same object where other modules imported it by name.
-
-    A module that does `from x import f` before the patch is applied keeps the original
-    `f`; wrapping each already-imported re-export (named in `reexported_by`) keeps the
-    fix effective whatever the import order. Modules imported later copy the wrapper;
-    revert hands them the original back.
-    """
-    import sys
-
-    import wrapt
-
-    original = getattr(module, attribute)
-
-    def unwrap_later_importers() -> None:
-        # Modules imported while patched copied the wrapper; give them the original back.
-        for name in reexported_by:
-            importer = sys.modules.get(name)
-            if importer is not None and vars(importer).get(attribute) is proxy:
-                setattr(importer, attribute, original)
-
-    patcher.on_revert(unwrap_later_importers)
-    proxy = patcher.wrap(module, attribute, wrapper)
-    for name in reexported_by:
-        importer = sys.modules.get(name)
-        if importer is None or isinstance(vars(importer).get(attribute), wrapt.FunctionWrapper):
-            continue
-        if vars(importer).get(attribute) is original:
-            patcher.wrap(importer, attribute, wrapper)

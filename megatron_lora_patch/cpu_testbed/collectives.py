@@ -73,14 +73,11 @@ def all_to_all_with_list_splits(wrapped, instance, args, kwargs):
 
 def install(patcher, mappings_module) -> None:
     """Apply the gloo equivalents to `megatron.core.tensor_parallel.mappings`."""
-    from megatron_lora_patch.cpu_testbed import wrap_with_reexports
-
     patcher.wrap(mappings_module, "_gather_along_first_dim", gather_uneven_first_dim_on_gloo)
     patcher.wrap(
         mappings_module, "_reduce_scatter_along_first_dim", reduce_scatter_list_first_dim_on_gloo
     )
-    wrap_with_reexports(
-        patcher,
+    patcher.wrap(
         mappings_module,
         "all_to_all",
         all_to_all_with_list_splits,

@@ -72,10 +72,7 @@ def install_moe_utils(patcher, moe_utils_module) -> None:
 
 
 def install_clip_grads(patcher, clip_grads_module) -> None:
-    from megatron_lora_patch.cpu_testbed import wrap_with_reexports
-
-    wrap_with_reexports(
-        patcher,
+    patcher.wrap(
         clip_grads_module,
         "clip_grad_by_total_norm_fp32",
         clip_grads_on_host(clip_grads_module),

@@ -104,8 +104,6 @@ def seed_host_generator(wrapped, instance, args, kwargs):
 
 def install(patcher, random_module) -> None:
     """Apply the host RNG fixes to `megatron.core.tensor_parallel.random`."""
-    from megatron_lora_patch.cpu_testbed import wrap_with_reexports
-
     tracker_class = random_module.CudaRNGStatesTracker
     patcher.replace(random_module, "_get_cuda_rng_state", get_host_rng_state)
     patcher.replace(random_module, "_set_cuda_rng_state", set_host_rng_state)
@@ -115,8 +113,7 @@ def install(patcher, random_module) -> None:
         "fork",
         make_fork_host_state(random_module._MODEL_PARALLEL_RNG_TRACKER_NAME),
     )
-    wrap_with_reexports(
-        patcher,
+    patcher.wrap(
         random_module,
         "model_parallel_cuda_manual_seed",
         seed_host_generator,

@@ -59,10 +59,8 @@ def on_one_host_device(wrapped, instance, args, kwargs):
 
 def install_initialize(patcher, initialize) -> None:
     """S1 and S2 on `megatron.training.initialize` (and where its entry point was imported by name)."""
-    from megatron_lora_patch.cpu_testbed import wrap_with_reexports
-
-    wrap_with_reexports(
-        patcher, initialize, "initialize_megatron", allow_no_cuda,
+    patcher.wrap(
+        initialize, "initialize_megatron", allow_no_cuda,
         reexported_by=("megatron.training.training", "megatron.training"),
     )
     for name in ("_initialize_distributed", "_set_random_seed"):

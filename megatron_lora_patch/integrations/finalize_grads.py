@@ -76,21 +76,14 @@ def _finalize_then_sum_replicated(wrapped, instance, args, kwargs):
 
 
 def _patch_finalize(patcher: Patcher, package: types.ModuleType) -> None:
-    """Wrap the function in its module, then point the package re-export at the same wrapper.
+    """Wrap the function in its module, and the package re-export Megatron-LM binds into
+    `config.finalize_model_grads_func` with it.
 
     Hooked on the package: its `__init__` has imported the submodule by then (the package
     attribute `finalize_model_grads` shadows the submodule, hence `sys.modules`).
     """
-    module = sys.modules[FINALIZE_MODULE]
-    original = module.finalize_model_grads
-    patched = patcher.wrap(module, "finalize_model_grads", _finalize_then_sum_replicated)
-    if package.finalize_model_grads is original:
-        patcher.replace(package, "finalize_model_grads", patched)
-    elif package.finalize_model_grads is not patched:
-        log.warning(
-            "megatron-lora-patch: megatron.core.distributed.finalize_model_grads was replaced by someone else; "
-            "only %s.finalize_model_grads is extended", FINALIZE_MODULE,
-        )
+    patcher.wrap(sys.modules[FINALIZE_MODULE], "finalize_model_grads", _finalize_then_sum_replicated,
+                 reexported_by=(package.__name__,))
 
 
 # -- schedules -----------------------------------------------------------------------------

@@ -45,14 +45,11 @@ def patch_mlp(patcher, mlp) -> None:
 
 
 def patch_cross_entropy(patcher, tensor_parallel) -> None:
-    """Wrap the function in its module and point the package re-export at the same wrapper."""
+    """Wrap the function in its module and the package re-export with it."""
     from megatron_lora_patch.tp_invariant.loss import vocab_parallel_cross_entropy
 
-    module = sys.modules[CROSS_ENTROPY_MODULE]
-    original = module.vocab_parallel_cross_entropy
-    patched = patcher.wrap(module, "vocab_parallel_cross_entropy", vocab_parallel_cross_entropy)
-    if tensor_parallel.vocab_parallel_cross_entropy is original:
-        patcher.replace(tensor_parallel, "vocab_parallel_cross_entropy", patched)
+    patcher.wrap(sys.modules[CROSS_ENTROPY_MODULE], "vocab_parallel_cross_entropy", vocab_parallel_cross_entropy,
+                 reexported_by=(tensor_parallel.__name__,))
 
 
 def patch_language_module(patcher, language_module) -> None:

@@ -11,6 +11,7 @@ attribute the hooks change; the docstrings of `megatron_lora_patch.cpu_testbed` 
 from __future__ import annotations
 
 from megatron_lora_patch.cpu_testbed import host_only_hook
+from megatron_lora_patch.patches import tested_range
 from megatron_lora_patch.runtime.patching import PatchSpec
 
 #: (Megatron module fixed, `megatron_lora_patch.cpu_testbed` module, its installer(patcher, module)).
@@ -32,6 +33,6 @@ SPEC = PatchSpec(
     name="cpu_compat",
     summary="run Megatron-Core on CPU + gloo with unchanged numerics (testing)",
     hooks={target: host_only_hook(library, installer) for target, library, installer in FIXES},
-    versions=">=0.13,<0.20",
+    versions=tested_range(),
     default=True,
 )

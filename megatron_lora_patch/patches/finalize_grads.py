@@ -15,6 +15,7 @@ What it changes (docs/architecture.md sections 3-4; the logic is `megatron_lora_
 from __future__ import annotations
 
 from megatron_lora_patch.integrations import finalize_grads as finalize
+from megatron_lora_patch.patches import tested_range
 from megatron_lora_patch.runtime.patching import PatchSpec
 
 SPEC = PatchSpec(
@@ -28,6 +29,6 @@ SPEC = PatchSpec(
         "megatron.core.tensor_parallel": finalize.patch_duplicate_predicate,
         "megatron.core.optimizer.clip_grads": finalize.rebind_clip_grads_predicate,
     },
-    versions=">=0.13,<0.20",
+    versions=tested_range(),
     default=True,
 )

@@ -45,6 +45,7 @@ routed through this path (local specs only). Megatron-Core >= 0.14.
 from __future__ import annotations
 
 from megatron_lora_patch.integrations import layout_invariant as hooks
+from megatron_lora_patch.patches import tested_range
 from megatron_lora_patch.runtime.patching import PatchSpec
 
 SPEC = PatchSpec(
@@ -63,6 +64,6 @@ SPEC = PatchSpec(
         "megatron.core.transformer.moe.experts": hooks.patch_experts,
         "megatron.core.transformer.moe.token_dispatcher": hooks.patch_token_dispatcher,
     },
-    versions=">=0.14,<0.20",
+    versions=tested_range("0.14"),
     default=False,
 )

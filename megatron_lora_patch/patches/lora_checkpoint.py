@@ -22,6 +22,7 @@ where the installed Megatron-LM does not define it yet.
 
 from __future__ import annotations
 
+from megatron_lora_patch.patches import tested_range
 from megatron_lora_patch.runtime.patching import PatchSpec
 
 
@@ -91,6 +92,6 @@ SPEC = PatchSpec(
         "megatron.training.training": _patch_training,
         "megatron.training.arguments": _patch_arguments,
     },
-    versions=">=0.13,<0.20",
+    versions=tested_range(),
     default=True,
 )

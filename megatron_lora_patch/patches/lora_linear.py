@@ -26,6 +26,7 @@ Targets (the hooks are `megatron_lora_patch.integrations.lora_linear`):
 from __future__ import annotations
 
 from megatron_lora_patch.integrations import lora_linear as hooks
+from megatron_lora_patch.patches import tested_range
 from megatron_lora_patch.runtime.patching import PatchSpec
 
 SPEC = PatchSpec(
@@ -41,6 +42,6 @@ SPEC = PatchSpec(
         "megatron.core.models.hybrid.hybrid_block": hooks.patch_hybrid_block,
         "megatron.core.extensions.transformer_engine": hooks.patch_transformer_engine,
     },
-    versions=">=0.13,<0.20",
+    versions=tested_range(),
     default=True,
 )

@@ -16,6 +16,7 @@ The reported loss is untouched.
 from __future__ import annotations
 
 from megatron_lora_patch.integrations import loss_normalization
+from megatron_lora_patch.patches import tested_range
 from megatron_lora_patch.runtime.patching import PatchSpec
 
 SPEC = PatchSpec(
@@ -27,6 +28,6 @@ SPEC = PatchSpec(
         "megatron.core.distributed.distributed_data_parallel": loss_normalization.patch_ddp,
         "megatron.core.pipeline_parallel.schedules": loss_normalization.patch_schedules,
     },
-    versions=">=0.13,<0.20",
+    versions=tested_range(),
     default=True,
 )

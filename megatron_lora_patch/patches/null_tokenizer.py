@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from megatron_lora_patch.integrations import null_tokenizer as null_tokenizer_eod
 from megatron_lora_patch.integrations.null_tokenizer import CORE_MODULE, CORE_WRAPPER_MODULE, TRAINING_MODULE
+from megatron_lora_patch.patches import tested_range
 from megatron_lora_patch.runtime.patching import PatchSpec
 
 SPEC = PatchSpec(
@@ -29,6 +30,6 @@ SPEC = PatchSpec(
         CORE_WRAPPER_MODULE: null_tokenizer_eod.patch_core_wrapper,
         TRAINING_MODULE: null_tokenizer_eod.patch_training,
     },
-    versions=">=0.13,<0.20",
+    versions=tested_range(),
     default=False,
 )

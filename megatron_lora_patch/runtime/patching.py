@@ -11,10 +11,14 @@ originals (`__wrapped__`), and applying twice never wraps twice.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import sys
 import types
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import wrapt
+
+log = logging.getLogger(__name__)
 
 _MARKER = "_self_megatron_lora_patch"
 
@@ -74,10 +78,13 @@ class Patcher:
         self._undo: list[Callable[[], None]] = []
         self._changes: list[Change] = []
 
-    def wrap(self, owner: Any, attribute: str, wrapper: Callable[..., Any]) -> Any:
+    def wrap(
+        self, owner: Any, attribute: str, wrapper: Callable[..., Any], reexported_by: Sequence[str] = ()
+    ) -> Any:
         """Wrap `owner.attribute` with a wrapt `wrapper(wrapped, instance, args, kwargs)`.
 
-        Refuses to wrap twice (invariant: never double wrapped).
+        Refuses to wrap twice (invariant: never double wrapped). `reexported_by` names modules that
+        import the function by name (`from x import f`, a package's `__init__`): see `_point_reexports`.
         """
         if is_wrapped_by_us(inspect_static(owner, attribute)):
             raise RuntimeError(f"{_describe(owner)}.{attribute} is already wrapped by megatron-lora-patch")
@@ -85,7 +92,35 @@ class Patcher:
         proxy = wrapt.wrap_function_wrapper(owner, attribute, wrapper)
         setattr(proxy, _MARKER, True)  # `_self_` attributes live on the proxy, not the wrapped function
         self._record(Change(owner, attribute, proxy.__wrapped__, had_own, wrapped=True))
+        if reexported_by:
+            self._point_reexports(owner, attribute, proxy, reexported_by)
         return proxy
+
+    def _point_reexports(self, owner: Any, attribute: str, proxy: Any, importers: Sequence[str]) -> None:
+        """Point each already-imported `importers` module's copy of the original at `proxy`.
+
+        A module that imported the function by name before the patch holds the original, and callers
+        through it would miss the patch whatever the import order; modules imported later copy the
+        proxy, and revert hands those the original back. A copy someone else replaced is left alone
+        (with a warning): the patch then covers the calls through `owner` only.
+        """
+        original = proxy.__wrapped__
+
+        def give_later_copies_the_original() -> None:
+            for name in importers:
+                importer = sys.modules.get(name)
+                if importer is not None and vars(importer).get(attribute) is proxy:
+                    setattr(importer, attribute, original)
+
+        self.on_revert(give_later_copies_the_original)  # runs after the replacements below are undone
+        for name in importers:
+            importer = sys.modules.get(name)
+            copy = vars(importer).get(attribute) if importer is not None else None
+            if copy is original:
+                self.replace(importer, attribute, proxy)
+            elif copy is not None and copy is not proxy and not is_wrapped_by_us(copy):
+                log.warning("megatron-lora-patch: %s.%s was replaced by someone else; only %s.%s is patched",
+                            name, attribute, _describe(owner), attribute)
 
     def replace(self, owner: Any, attribute: str, value: Any) -> None:
         """Set `owner.attribute = value` (creating it if absent); revert restores or deletes it."""

@@ -113,6 +113,14 @@ def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
     return spec
 
 
+def declared_defaults() -> dict:
+    """Each production patch on or off as its declaration says (`PatchSpec.default`): what a user's
+    `MEGATRON_PLUGINS=lora_correct` run gets, set explicitly so the environment cannot change the oracle."""
+    from megatron_lora_patch.plugins import lora_correct
+
+    return {module.SPEC.name: module.SPEC.default for module in lora_correct.PATCHES}
+
+
 @contextlib.contextmanager
 def oracle_job(settings: OracleSettings, mutation: Optional[Mutation]):
     """Entered in every rank around one run: the oracle's patches, LoRA config and mutation."""
@@ -122,14 +130,9 @@ def oracle_job(settings: OracleSettings, mutation: Optional[Mutation]):
     from megatron_lora_patch.lora.config import LoraConfig
     from megatron_lora_patch.proof.testbed.patches import TESTBED_PLUGINS
 
-    enable = {
-        "cpu_compat": not torch.cuda.is_available(),
-        "lora_linear": True,
-        "finalize_grads": True,
-        "loss_normalization": True,
-    }
-    if settings.layout_invariant:
-        enable["layout_invariant"] = True
+    enable = declared_defaults()
+    enable["cpu_compat"] = not torch.cuda.is_available()
+    enable["layout_invariant"] = settings.layout_invariant
     enable.update(mutation.patches if mutation else {})
     megatron_lora_patch.apply(plugins=TESTBED_PLUGINS, enable=enable)
     lora = dict(rank=settings.lora_rank, alpha=settings.lora_alpha, b_init="nonzero", seed=settings.seed)
