@@ -10,7 +10,8 @@
 # Matrix (the range the patches declare is the range tested):
 #   newest minor (0.19.x, Python 3.12): the whole suite (SKIP_SLOW=1 leaves out the 4+ rank matrix);
 #   every other minor (0.13-0.16 on Python 3.11, 0.17-0.18 on 3.12): the runtime tests and
-#   `megatron-lora-patch oracle` on its default topologies.
+#   `megatron-lora-patch oracle` on its default topologies;
+#   the newest minor again with a newer pinned torch ($NEWER_TORCH): the runtime tests and the oracle.
 # pytest runs with `python -P`, so the checkout never shadows the installed wheel. A skip is a
 # failure unless it needs CUDA / Transformer Engine (tests/conftest.py).
 set -euo pipefail
@@ -18,6 +19,7 @@ shopt -s inherit_errexit  # a failed install inside $(...) stops the run before 
 cd "$(dirname "$0")/.."
 CACHE=${LORA_PATCH_TEST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/megatron-lora-patch-tests}
 TORCH="torch==2.13.0"
+NEWER_TORCH="torch==2.14.1"  # users bring their own torch: a newer release runs the runtime tests and the oracle too
 RUFF="ruff==0.17.6"
 TOOLS=(pytest setuptools wheel matplotlib "transformers>=5.0" "peft>=0.17" wrapt pluggy packaging safetensors psutil numpy)
 NEWEST=0.19
@@ -45,21 +47,24 @@ interpreter() {  # interpreter PYVER -> a python of that version (PATH, else pye
   return 1
 }
 
-base_env() {  # base_env PYVER -> path of a venv with torch and the test tools (built once)
-  local dir="$CACHE/base-py$1" stamp="$TORCH ${TOOLS[*]}"
+base_env() {  # base_env PYVER [TORCH] -> path of a venv with that torch (default $TORCH) and the test tools
+  local torch=${2:-$TORCH} dir="$CACHE/base-py$1" stamp
+  [ "$torch" = "$TORCH" ] || dir="$dir-${torch//=/}"
+  stamp="$torch ${TOOLS[*]}"
   if [ ! -f "$dir/.stamp" ] || [ "$(cat "$dir/.stamp")" != "$stamp" ]; then
     rm -rf "$dir"
     "$(interpreter "$1")" -m venv "$dir"
-    "$dir/bin/pip" install -q --disable-pip-version-check "$TORCH" >&2
-    "$dir/bin/pip" install -q --disable-pip-version-check "$TORCH" "${TOOLS[@]}" >&2
+    "$dir/bin/pip" install -q --disable-pip-version-check "$torch" >&2
+    "$dir/bin/pip" install -q --disable-pip-version-check "$torch" "${TOOLS[@]}" >&2
     echo "$stamp" > "$dir/.stamp"
   fi
   echo "$dir"
 }
 
-megatron_env() {  # megatron_env MINOR WHEEL -> python of an overlay holding that minor and our wheel
-  local minor=$1 wheel=$2 pyver base dir site extra=()
-  pyver=$(python_for "$minor"); base=$(base_env "$pyver"); dir="$CACHE/mc-$minor"
+megatron_env() {  # megatron_env MINOR WHEEL [TORCH] -> python of an overlay holding that minor and our wheel
+  local minor=$1 wheel=$2 torch=${3:-$TORCH} pyver base dir site extra=()
+  pyver=$(python_for "$minor"); base=$(base_env "$pyver" "$torch"); dir="$CACHE/mc-$minor"
+  [ "$torch" = "$TORCH" ] || dir="$dir-${torch//=/}"
   [ "$minor" = 0.13 ] && extra=("numpy<2")  # 0.13 breaks on numpy 2
   if [ ! -f "$dir/.stamp" ] || [ "$(cat "$dir/.stamp")" != "$minor ${extra[*]}" ]; then
     rm -rf "$dir"
@@ -107,5 +112,10 @@ for minor in "${SMOKE[@]}"; do
   "$python" -P -m pytest -q "${RUNTIME_TESTS[@]}" "${versioned[@]}" || status=$?
   "$python" -P -m megatron_lora_patch oracle || status=$?
 done
+
+echo "== megatron-core $NEWEST.x with $NEWER_TORCH: runtime tests + oracle on the default topologies"
+python=$(megatron_env "$NEWEST" "$WHEEL" "$NEWER_TORCH")
+"$python" -P -m pytest -q "${RUNTIME_TESTS[@]}" || status=$?
+"$python" -P -m megatron_lora_patch oracle || status=$?
 
 exit $status
