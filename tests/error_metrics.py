@@ -15,13 +15,15 @@ from typing import Iterable, Mapping
 
 import torch
 
-from megatron_lora_patch.proof.oracle.metrics import compare_tensors
+from megatron_lora_patch.proof.oracle.metrics import compare_results, compare_tensors
 from megatron_lora_patch.proof.oracle.metrics import relative_error as relative_l2_error
 
 __all__ = [
     "FP32_EPS",
     "assert_all_within",
     "assert_errors_within",
+    "assert_steps_within",
+    "first_step",
     "fp32_sum_tolerance",
     "max_abs_error_over_max",
     "relative_l2_error",
@@ -67,3 +69,26 @@ def assert_errors_within(
     assert set(errors) == expected_keys, f"{where}: errors for {sorted(errors)}, expected {sorted(expected_keys)}"
     bad = {key: value for key, value in errors.items() if not value <= tolerance}  # NaN fails
     assert not bad, f"{where}: errors above {tolerance}: {bad}"
+
+
+def first_step(result: dict) -> dict:
+    """A canonical training result (`proof.testbed.runner.canonical_result`) cut to its first optimizer step."""
+    return {**result, "steps": result["steps"][:1]}
+
+
+def assert_steps_within(result: dict, reference: dict, first_bound: float, later_bound: float, where: str = "") -> dict:
+    """Every phase of step 0 within `first_bound` and of every step within `later_bound` (relative L2, worst
+    tensor): before the first update only the order of sums differs, after it Adam amplifies that noise, so one
+    step-0 bound on later steps fails on another CPU (docs/testing.md "Tolerances"). Returns both error maps."""
+    first = compare_results(first_step(result), first_step(reference))
+    every = compare_results(result, reference)
+    print(f"{where} first step {_rounded(first)}; all steps {_rounded(every)}")
+    failing = {phase: error for phase, error in first.items() if not error <= first_bound}
+    assert not failing, f"{where} first step: relative errors above {first_bound}: {failing} (all: {first})"
+    failing = {phase: error for phase, error in every.items() if not error <= later_bound}
+    assert not failing, f"{where} later steps: relative errors above {later_bound}: {failing} (all: {every})"
+    return {"first": first, "all": every}
+
+
+def _rounded(errors: Mapping[str, float]) -> dict:
+    return {phase: float(f"{error:.2e}") for phase, error in errors.items()}

@@ -3,9 +3,10 @@ saved and loaded.
 
 `train_world` trains a few Adam steps (the testing driver's model, DDP and optimizer, `resume_worker`'s
 step) and returns, per shared outer factor, the tensor every local expert's adapter holds, the grad norm
-of each step, the full-vocab logits, the `adapter_state` and the local adapters; then it writes an
-adapter-only checkpoint. `break_sync` is the negative control: the shared factors are marked as expert
-weights (`allreduce=False`) before DDP wraps the model, so they are reduced over expert-DP only.
+of each step, the shared factors' squared grad sum of step 0, the full-vocab logits, the `adapter_state`
+and the local adapters; then it writes an adapter-only checkpoint. `break_sync` is the negative control: the
+shared factors are marked as expert weights (`allreduce=False`) before DDP wraps the model, so they are reduced
+over expert-DP only.
 """
 
 from __future__ import annotations
@@ -36,12 +37,22 @@ def shared_factors(chunks) -> Dict[str, List[torch.Tensor]]:
     return found
 
 
+def _shared_params(model_chunks) -> list:
+    """The shared outer factors: adapter parameters of an MoE layer's experts module, not of one local expert."""
+    return [param for chunk in model_chunks for param in chunk.parameters()
+            if getattr(param, "lora_info", None) is not None and ".local_experts." not in param.lora_info.module
+            and "experts" in param.lora_info.module]
+
+
 def _unsync(model_chunks) -> None:
-    for chunk in model_chunks:
-        for param in chunk.parameters():
-            info = getattr(param, "lora_info", None)
-            if info is not None and ".local_experts." not in info.module and "experts" in info.module:
-                param.allreduce = False
+    for param in _shared_params(model_chunks):
+        param.allreduce = False
+
+
+def _shared_grad_square(chunks) -> float:
+    """Sum of the squared (reduced) grads of the shared factors after a step: what the grad norm would count once
+    more if a second copy of them were counted."""
+    return float(sum(param.main_grad.double().square().sum() for param in _shared_params(chunks)))
 
 
 def train_world(rank: int, world: int, topology: str, spec, steps: int, directory: str, family: str,
@@ -66,11 +77,15 @@ def train_world(rank: int, world: int, topology: str, spec, steps: int, director
         optimizer = driver._build_optimizer(chunks, settings)
         chunks[0].config.grad_scale_func = optimizer.scale_loss
         chunks[0].config.finalize_model_grads_func = finalize_model_grads
-        norms = [float(resume_worker._train_step(chunks, optimizer, spec, step)[1]) for step in range(steps)]
+        norms, shared_square = [], None
+        for step in range(steps):
+            norms.append(float(resume_worker._train_step(chunks, optimizer, spec, step)[1]))
+            shared_square = _shared_grad_square(chunks) if step == 0 else shared_square
         state = adapter_state(chunks, family)
         logits = persistence_worker.full_logits(chunks[0].module, spec)
         save_adapters(chunks, directory)
-        return {"initial": initial, "shared": shared_factors(chunks), "norms": norms, "logits": logits,
+        return {"initial": initial, "shared": shared_factors(chunks), "norms": norms, "shared_square": shared_square,
+                "logits": logits,
                 "config": state.config, "tensors": state.tensors, "shared_outer": state.shared_outer}
 
 

@@ -5,9 +5,12 @@ base is pretrained without the LoRA plugin; a LoRA run `--pretrained-checkpoint 
 --save RUN` trains 4 iterations uninterrupted and saves each (adapter-only by default). Its
 checkpoint of iteration 2 resumes on TP2 (iterations 3-4, base from the recorded path), whose
 checkpoint of iteration 3 resumes on PP2 (4). The resumed losses must equal the uninterrupted
-run's within `LOSS_TOLERANCE` (fp32; measured: <= 5.1e-8 relative, TP2 / PP2 reduction order);
-the negative control resumes without the optimizer state (`--no-load-optim`) and must miss by
->= 100x. A run without a loaded base stops with one line unless `MEGATRON_LORA_ALLOW_RANDOM_BASE=1`.
+run's within the oracle's fp32 loss thresholds: the first loss computed from weights restored from the
+uninterrupted run's checkpoint at the step-0 bound, every loss after an update on another topology at the
+later-step bound (docs/testing.md "Tolerances"; measured <= 5.1e-8 relative under three reduction orders);
+the negative control resumes without the optimizer state (`--no-load-optim`) and must miss the later-step
+bound by >= 100x (measured 2.5e-2, 254x). A run without a loaded base stops with one line unless
+`MEGATRON_LORA_ALLOW_RANDOM_BASE=1`.
 """
 
 from __future__ import annotations
@@ -33,7 +36,12 @@ from megatron_lm_runs import (  # noqa: E402  (the loop test's launchers)
     one_rank,
 )
 
-LOSS_TOLERANCE = 1e-6  # 20x the measured resume noise (5.1e-8)
+from megatron_lora_patch.proof.oracle.thresholds import threshold  # noqa: E402
+
+#: a resumed loss computed from the uninterrupted run's own weights (only the topology's order of sums differs)
+RESTORED_LOSS_TOLERANCE = threshold("fp32", "loss", step=0)
+#: a loss after at least one update on another topology (Adam amplifies the reduction-order noise)
+LATER_LOSS_TOLERANCE = threshold("fp32", "loss", step=1)
 ENV = {key: value for key, value in LORA_ENV.items() if key != "MEGATRON_LORA_FULL_CHECKPOINTS"}
 
 
@@ -66,21 +74,31 @@ def _relative_misses(losses: list, reference: list) -> list:
     return [abs(a - b) / abs(b) for a, b in zip(losses, reference[len(reference) - len(losses):])]
 
 
+def _limits(count: int, restored: bool) -> list:
+    """Per resumed loss: the step-0 bound for the first one if the run restored the uninterrupted run's own
+    checkpoint, the later-step bound otherwise."""
+    return [RESTORED_LOSS_TOLERANCE if restored and index == 0 else LATER_LOSS_TOLERANCE for index in range(count)]
+
+
 def test_resume_tp1_tp2_pp2_continues_the_uninterrupted_run(runs):
     reference = _step_losses(runs / "rec-run", 1)
     assert len(reference) == ITERATIONS
     tp2, pp2 = _step_losses(runs / "rec-tp2", 1), _step_losses(runs / "rec-pp2", 1)
     assert len(tp2) == 2 and len(pp2) == 1
-    assert max(_relative_misses(tp2, reference)) <= LOSS_TOLERANCE, (tp2, reference)
-    assert max(_relative_misses(pp2, reference)) <= LOSS_TOLERANCE, (pp2, reference)
+    misses = {"tp2": _relative_misses(tp2, reference), "pp2": _relative_misses(pp2, reference)}
+    print(f"resumed losses, relative miss: {misses}")
+    limits = {"tp2": _limits(2, restored=True), "pp2": _limits(1, restored=False)}  # pp2 resumes tp2's checkpoint
+    for run, run_misses in misses.items():
+        assert all(miss <= limit for miss, limit in zip(run_misses, limits[run])), (run, run_misses, limits[run])
 
 
 def test_resume_without_the_optimizer_state_misses(runs):
     """Negative control: the first resumed update without Adam's moments moves the next loss >= 100x off."""
     reference = _step_losses(runs / "rec-run", 1)
     misses = _relative_misses(_step_losses(runs / "rec-no-optim", 1), reference)
-    assert misses[0] <= LOSS_TOLERANCE  # the weights themselves are restored
-    assert max(misses[1:]) >= 100 * LOSS_TOLERANCE, misses
+    print(f"resumed without Adam's moments, relative miss per iteration: {misses}")
+    assert misses[0] <= RESTORED_LOSS_TOLERANCE  # the weights themselves are restored
+    assert max(misses[1:]) >= 100 * LATER_LOSS_TOLERANCE, misses
 
 
 def test_checkpoints_hold_the_adapters_and_their_adam_state_only(runs):

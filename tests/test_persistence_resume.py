@@ -18,7 +18,9 @@ from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 
 SPEC = TinyGPTSpec()
-TOLERANCE = 1e-5  # relative L2 per factor after one more Adam step on another topology
+#: relative L2 per factor after one more Adam step on another topology: measured <= 8.4e-8 under three reduction
+#: orders (docs/testing.md "Tolerances"); the control without the optimizer state misses by 0.147
+TOLERANCE = 1e-5
 
 
 def _errors(actual, expected) -> dict:
@@ -53,6 +55,8 @@ def test_resume_on_another_topology_equals_uninterrupted_run(tmp_path):
         loaded = persistence_worker.assemble([rank["start"] for rank in resumed])
         assert set(loaded) == set(saved) and all(all(map(torch.equal, loaded[n], saved[n])) for n in saved)
         errors = _errors(persistence_worker.assemble([rank["end"] for rank in resumed]), uninterrupted)
+        print(f"resumed on pp2, optimizer state {'loaded' if load_optimizer else 'dropped'}: worst factor "
+              f"{max(errors.values()):.2e}")
         if load_optimizer:
             assert max(errors.values()) <= TOLERANCE, errors
         else:

@@ -26,6 +26,7 @@ import torch
 from error_metrics import max_abs_error_over_max
 
 from megatron_lora_patch import handoff
+from megatron_lora_patch.proof.oracle.thresholds import threshold
 from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 from megatron_lora_patch.runtime.errors import UsageError
@@ -34,10 +35,14 @@ SPEC = dataclasses.replace(TinyGPTSpec.moe(moe_ffn_hidden_size=32), qk_layernorm
 FAMILY = "qwen3_moe"
 STEPS = 3
 LOGITS_TOLERANCE = 1e-5
-#: max |diff| of a trained shared factor against world size 1 (fp32 reduction order; measured 7.8e-7 at
-#: TP2 + ETP2 + SP, 2.3e-7 at EP2; the 3 steps move the factors by 0.03)
+#: max |diff| of a trained shared factor against world size 1 after 3 steps (fp32 reduction order; measured at
+#: most 7.8e-7 at TP2 + ETP2 + SP and 3.4e-7 at EP2 under three reduction orders, docs/testing.md "Tolerances";
+#: the 3 steps move the factors by 0.03)
 FACTOR_TOLERANCE = 5e-6
-NORM_TOLERANCE = 1e-5  # relative, per step
+#: grad norm, relative: the oracle's fp32 grad-norm thresholds, step 0 tight and later steps loose, since Adam
+#: amplifies the CPU's reduction-order noise after the first update (measured 1.6e-5 at step 2 on one Xeon,
+#: above a 1e-5 bound applied to every step; docs/testing.md "Tolerances")
+NORM_TOLERANCE = {step: threshold("fp32", "grad_norm", step) for step in range(STEPS)}
 #: run -> (topology, world size, shared factors reduced over expert-DP only)
 RUNS = {"world1": ("tp1", 1, False), "ep2": ("ep2", 2, False), "ep2-unsynced": ("ep2", 2, True),
         "tp2-etp2-sp": ("tp2-etp2-sp", 2, False)}
@@ -74,8 +79,19 @@ def test_shared_factor_is_one_tensor_everywhere_and_trains_as_at_world_one(runs,
         print(f"{run} {name}: max |diff| to world 1 {error:.2e}, trained by {moved:.2e}")
         assert error <= FACTOR_TOLERANCE and moved > 100 * FACTOR_TOLERANCE
     for rank in runs[run]:  # counted once: the grad norm (clipping uses it) is world 1's
-        for norm, expected in zip(rank["norms"], reference["norms"]):
-            assert abs(norm - expected) <= NORM_TOLERANCE * expected, (rank["norms"], reference["norms"])
+        print(f"{run} grad norm per step, relative to world 1: "
+              f"{[f'{abs(a - b) / b:.1e}' for a, b in zip(rank['norms'], reference['norms'])]}")
+        for step, (norm, expected) in enumerate(zip(rank["norms"], reference["norms"])):
+            assert abs(norm - expected) <= NORM_TOLERANCE[step] * expected, (step, rank["norms"], reference["norms"])
+
+
+def test_a_second_count_of_the_shared_factors_would_fail_the_norm_check(runs):
+    """Negative control of the step-0 grad-norm check: the shared factors counted twice (once per EP rank, say)."""
+    reference = runs["world1"][0]
+    norm = reference["norms"][0]
+    doubled = (norm ** 2 + reference["shared_square"]) ** 0.5
+    print(f"step-0 grad norm {norm:.6g}; shared factors counted twice {doubled:.6g}")
+    assert abs(doubled - norm) >= 100 * NORM_TOLERANCE[0] * norm
 
 
 def test_without_the_dense_dp_reduction_the_shared_factors_diverge(runs):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from error_metrics import relative_l2_error
+from error_metrics import assert_steps_within, first_step, relative_l2_error
 
 from megatron_lora_patch.proof.oracle.metrics import compare_results
 from megatron_lora_patch.proof.testbed.data import dp_rank_microbatches, make_global_batch
@@ -24,10 +24,13 @@ from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 from megatron_lora_patch.proof.testbed.pretrain import LEGACY_MEAN
 from megatron_lora_patch.proof.testbed.runner import Job, canonical_result, run_jobs
 
-#: fp32 tolerance on every phase (relative L2 per tensor, worst over tensors and steps).
-#: Measured worst: 1.4e-6 (grads of step 2 on TP2+SP / ETP2: reduction-order noise of step 1
-#: after one Adam update). The negative controls below differ by > 1e-3.
+#: fp32 tolerance on every phase of the first step (relative L2 per tensor, worst over tensors): only the
+#: order of sums differs. The negative controls below differ by > 1e-3 there.
 TOLERANCE = 5e-6
+#: Every phase of later steps: Adam amplifies the reduction-order noise of the first update, and how much
+#: depends on the CPU (docs/testing.md "Tolerances"). Measured worst on one machine: 1.4e-6 (grads of step 2
+#: on TP2+SP / ETP2), once held to TOLERANCE; the oracle's later-step reasoning (proof/oracle/thresholds.py).
+AFTER_UPDATE_TOLERANCE = 1e-4
 #: A real difference must exceed the tolerance by this factor to count as detected.
 DETECTION_FACTOR = 100
 
@@ -100,15 +103,13 @@ def _reference_for(spec) -> str:
     return {DENSE: "dense", TIED: "tied", MOE: "moe", MOE_ALLTOALL: "moe"}[spec]
 
 
-def _assert_faithful(result: dict, reference: dict) -> None:
-    worst = compare_results(result, reference)
-    failing = {phase: error for phase, error in worst.items() if error > TOLERANCE}
-    assert not failing, f"relative errors above {TOLERANCE}: {failing} (all: {worst})"
+def _assert_faithful(result: dict, reference: dict, where: str) -> None:
+    assert_steps_within(result, reference, TOLERANCE, AFTER_UPDATE_TOLERANCE, where=where)
 
 
 @pytest.mark.parametrize("key,spec,topology", TOPOLOGIES, ids=[entry[0] for entry in TOPOLOGIES])
 def test_training_steps_match_world1(default_results, key, spec, topology):
-    _assert_faithful(default_results[key], default_results[_reference_for(spec)])
+    _assert_faithful(default_results[key], default_results[_reference_for(spec)], key)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,7 @@ def slow_results() -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("key,spec,topology", SLOW_TOPOLOGIES, ids=[entry[0] for entry in SLOW_TOPOLOGIES])
 def test_four_rank_training_steps_match_world1(slow_results, key, spec, topology):
-    _assert_faithful(slow_results[key], slow_results[_reference_for(spec)])
+    _assert_faithful(slow_results[key], slow_results[_reference_for(spec)], key)
 
 
 def test_reference_exercises_clipping_and_uneven_token_counts(default_results):
@@ -146,21 +147,24 @@ def test_reported_loss_is_the_global_token_mean(default_results):
 
 def test_local_token_normalization_is_detected(default_results):
     """calculate_per_token_loss off (mean of per-microbatch means) differs from the global token mean."""
-    worst = compare_results(default_results["dp2-local-normalization"], default_results["dense"])
+    control, reference = (first_step(default_results[key]) for key in ("dp2-local-normalization", "dense"))
+    worst = compare_results(control, reference)
     assert worst["grads"] > DETECTION_FACTOR * TOLERANCE, worst
 
 
 def test_legacy_mean_loss_matches_world1_and_differs_from_token_mean(default_results):
     """The 2-tuple loss is DP-invariant here (equal microbatch counts) but is not the token mean."""
-    _assert_faithful(default_results["dp2-legacy"], default_results["dense-legacy"])
+    _assert_faithful(default_results["dp2-legacy"], default_results["dense-legacy"], "dp2-legacy")
     legacy, token_mean = default_results["dense-legacy"]["steps"][0], default_results["dense"]["steps"][0]
     worst = max(relative_l2_error(legacy["grads"][name], grad) for name, grad in token_mean["grads"].items())
     assert worst > DETECTION_FACTOR * TOLERANCE
 
 
 def test_one_perturbed_weight_element_is_detected(default_results):
-    worst = compare_results(default_results["tp2-sp-perturbed"], default_results["dense"])
-    assert worst["params"] > DETECTION_FACTOR * TOLERANCE and worst["loss"] > TOLERANCE, worst
+    """Caught at the first step, where the tight bound applies (measured: grads 5.8e-3, 1170x TOLERANCE)."""
+    first = compare_results(first_step(default_results["tp2-sp-perturbed"]), first_step(default_results["dense"]))
+    print(f"one element perturbed by 1e-2, first step: {first}")
+    assert first["grads"] > DETECTION_FACTOR * TOLERANCE and first["loss"] > TOLERANCE, first
 
 
 def test_dp_split_follows_megatron_pretraining_sampler():

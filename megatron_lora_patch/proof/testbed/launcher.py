@@ -5,7 +5,8 @@
 * Each rank is a fresh ``spawn``-ed interpreter running ``fn(rank, world_size, *args, **kwargs)``
   with ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
   ``LOCAL_WORLD_SIZE`` set, and torch limited to one intra-op thread (``OMP_NUM_THREADS=1``
-  and friends are set before anything is imported). A rank imports only what ``fn`` needs.
+  and friends are set before anything is imported; ``LORA_PATCH_RANK_THREADS`` raises it, to
+  probe reduction-order noise). A rank imports only what ``fn`` needs.
 * The rendezvous store is hosted by the parent (like ``torchrun``'s agent store, with
   ``TORCHELASTIC_USE_AGENT_STORE=True``), so there is no race on a "free" port between
   choosing it and binding it. Ranks join with :func:`gloo_process_group` or plain
@@ -56,6 +57,9 @@ STACK_DUMP_WAIT_S = 1.0
 # How long ranks that already sent their result get to exit before being killed.
 FINISHED_EXIT_WAIT_S = 10.0
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+#: Intra-op threads per rank (default 1). A noise probe, not a setting: more threads split GEMMs and
+#: reductions differently, which is how another CPU's reduction order shows on this one (docs/testing.md).
+RANK_THREADS_ENV = "LORA_PATCH_RANK_THREADS"
 
 
 class WorldError(RuntimeError):
@@ -154,8 +158,16 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         "LOCAL_WORLD_SIZE": str(world_size),
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # the parent hosts the store: every rank is a client
     }
-    env.update({key: "1" for key in _THREAD_ENV})
+    env.update({key: str(rank_threads()) for key in _THREAD_ENV})
     return env
+
+
+def rank_threads() -> int:
+    """Intra-op threads each rank runs with: `LORA_PATCH_RANK_THREADS` (a positive integer), else 1."""
+    text = os.environ.get(RANK_THREADS_ENV, "1")
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{RANK_THREADS_ENV}={text!r}: give a positive integer (intra-op threads per rank)")
+    return int(text)
 
 
 def _collect(ranks: list[_Rank], *, timeout: float, name: str) -> list[Any]:

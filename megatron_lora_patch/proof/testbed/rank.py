@@ -95,7 +95,7 @@ def rank_main(
         fn, args, kwargs = pickle.loads(payload)
         rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
         if "torch" in sys.modules:  # OMP_NUM_THREADS covers a later import; this covers an earlier one
-            sys.modules["torch"].set_num_threads(1)
+            sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
         result = fn(rank, world_size, *args, **kwargs)
         message = ("ok", dumps(result))
     except BaseException:
