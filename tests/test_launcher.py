@@ -299,3 +299,21 @@ def test_unloadable_result_is_reported_as_that_ranks_failure():
         run_world(_return_unloadable_rank, 1, name="tp1")
     assert "the parent could not load this rank's return value" in caught.value.failures[0]
     assert "RuntimeError: cannot rebuild this object" in caught.value.failures[0]
+
+
+def _threads(rank: int, world_size: int) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_rank_threads_probe_raises_the_intra_op_threads(monkeypatch):
+    """`LORA_PATCH_RANK_THREADS` (the noise probe, docs/testing.md): each rank runs with that many threads;
+    a value that is not a positive integer is refused before any rank starts."""
+    from megatron_lora_patch.proof.testbed import launcher
+
+    monkeypatch.setenv(launcher.RANK_THREADS_ENV, "2")
+    assert run_world(_threads, 2, name="threads") == [2, 2]
+    monkeypatch.setenv(launcher.RANK_THREADS_ENV, "0")
+    with pytest.raises(ValueError, match="LORA_PATCH_RANK_THREADS='0': give a positive integer"):
+        run_world(_threads, 1, name="threads")

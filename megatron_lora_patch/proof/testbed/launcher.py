@@ -111,6 +111,7 @@ def run_world(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    threads = rank_threads()
     try:
         payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
     except Exception as error:
@@ -128,7 +129,7 @@ def run_world(
     try:
         for rank in range(world_size):
             receiver, sender = context.Pipe(duplex=False)
-            env = _rank_env(rank, world_size, store.port)
+            env = _rank_env(rank, world_size, store.port, threads)
             stack_file = os.path.join(stack_dir, f"rank{rank}.stack")
             process = context.Process(
                 target=rank_side.rank_main,
@@ -148,7 +149,7 @@ def run_world(
         del store
 
 
-def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+def _rank_env(rank: int, world_size: int, port: int, threads: int) -> dict[str, str]:
     env = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
@@ -158,7 +159,7 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         "LOCAL_WORLD_SIZE": str(world_size),
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # the parent hosts the store: every rank is a client
     }
-    env.update({key: str(rank_threads()) for key in _THREAD_ENV})
+    env.update({key: str(threads) for key in _THREAD_ENV})
     return env
 
 
