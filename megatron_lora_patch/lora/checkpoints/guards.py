@@ -22,14 +22,13 @@ from typing import Any, Optional
 from megatron_lora_patch.lora.checkpoints.workflow import BASE_FIX, LOADED_BASE, BaseCheckpointError, full_checkpoints
 from megatron_lora_patch.runtime.flags import ALLOW_RANDOM_BASE_VARIABLE, env_bool
 
-_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's get_checkpoint_tracker_filename
-
 
 def _what_is_not_a_checkpoint(path: str, resuming: bool) -> Optional[str]:
     """Why `path` cannot be the base checkpoint Megatron-LM (or, on resume, the base loader) reads, or None."""
     from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
+    from megatron.training.checkpointing import checkpoint_exists, get_checkpoint_tracker_filename
 
-    if os.path.isfile(os.path.join(path, _TRACKER)):
+    if checkpoint_exists(path):
         return None
     if not os.path.exists(path):
         return "does not exist"
@@ -38,16 +37,17 @@ def _what_is_not_a_checkpoint(path: str, resuming: bool) -> Optional[str]:
     if check_is_distributed_checkpoint(path):
         parent = os.path.dirname(os.path.abspath(path))
         return None if resuming else f"is an iteration directory; Megatron-LM starts from its --save directory {parent}"
-    return f"holds no checkpoint (no {_TRACKER})"
+    return f"holds no checkpoint (no {os.path.basename(get_checkpoint_tracker_filename(path))})"
 
 
 def check_pretrained(args: Any) -> None:
     """Refuse a `--pretrained-checkpoint` that holds no checkpoint, in one line naming it."""
+    from megatron.training.checkpointing import checkpoint_exists
+
     given = getattr(args, "pretrained_checkpoint", None)
     if not given:
         return
-    resuming = bool(args.load) and os.path.isfile(os.path.join(args.load, _TRACKER))
-    problem = _what_is_not_a_checkpoint(given, resuming)
+    problem = _what_is_not_a_checkpoint(given, resuming=checkpoint_exists(args.load))
     if problem:
         raise BaseCheckpointError(
             f"--pretrained-checkpoint {given} {problem}; pass the directory the base checkpoint was saved to (--save)"
@@ -66,19 +66,20 @@ def _require_loaded_base(args: Any) -> None:
     )
 
 
+def _same_directory(path: Optional[str], other: str) -> bool:
+    return bool(path) and os.path.isdir(path) and os.path.samefile(path, other)
+
+
 def _resumed_from(args: Any, save: str, latest: str) -> bool:
     """Whether this run loaded the checkpoint of iteration `latest` from `save` and continues from it."""
-    return (
-        bool(args.load) and os.path.isdir(args.load) and os.path.samefile(args.load, save)
-        and not args.finetune and str(args.iteration) == latest
-    )
+    return _same_directory(args.load, save) and not args.finetune and str(args.iteration) == latest
 
 
 def _base_argument(args: Any, save: str) -> str:
     """The base directory this run was given, for the resume command of a refusal (BASE_DIR if unknown)."""
     if args.pretrained_checkpoint:
         return args.pretrained_checkpoint
-    if args.finetune and args.load and not os.path.samefile(args.load, save):
+    if args.finetune and args.load and not _same_directory(args.load, save):
         return args.load
     return "BASE_DIR"
 
@@ -86,11 +87,12 @@ def _base_argument(args: Any, save: str) -> str:
 def check_save_directory(args: Any) -> None:
     """Refuse a `--save` directory that holds a checkpoint this run did not resume from (one line naming how to
     resume it and how to start over); Megatron-LM would overwrite its iterations."""
+    from megatron.training.checkpointing import checkpoint_exists, get_checkpoint_tracker_filename
+
     save = args.save
-    tracker = os.path.join(save, _TRACKER) if save else ""
-    if not tracker or not os.path.isfile(tracker):
+    if not checkpoint_exists(save):
         return
-    with open(tracker) as handle:
+    with open(get_checkpoint_tracker_filename(save)) as handle:  # not read_metadata: it exits on a garbled one
         latest = handle.read().strip()
     if _resumed_from(args, save, latest):
         return
