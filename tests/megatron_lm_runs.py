@@ -129,11 +129,12 @@ def _python_without_the_package(root: pathlib.Path) -> pathlib.Path:
     return python
 
 
-def _run(command: list, env: dict, cwd: pathlib.Path) -> subprocess.CompletedProcess:
-    """`command` with the tiny model's Megatron-LM arguments, in a clean environment plus `env`."""
+def _run(command: list, env: dict, cwd: pathlib.Path, overrides: tuple = ()) -> subprocess.CompletedProcess:
+    """`command` with the tiny model's Megatron-LM arguments (then `overrides`, which replace them), in a clean
+    environment plus `env`."""
     environ = clean_environ(CUDA_DEVICE_MAX_CONNECTIONS="1", **env)
     return subprocess.run(
-        command + MODEL_ARGS + HOST_ARGS + TRAIN_ARGS,
+        command + MODEL_ARGS + HOST_ARGS + TRAIN_ARGS + list(overrides),
         env=environ,
         capture_output=True,
         text=True,
@@ -151,15 +152,16 @@ def _launch(python, ranks: int, args: list, env: dict, record: pathlib.Path) -> 
     return done
 
 
-def one_rank(args: list, env: dict, cwd: pathlib.Path) -> subprocess.CompletedProcess:
-    """The launch script as one plain process (no torchrun), with the world variables torchrun sets."""
+def one_rank(args: list, env: dict, cwd: pathlib.Path, overrides: tuple = ()) -> subprocess.CompletedProcess:
+    """The launch script as one plain process (no torchrun), with the world variables torchrun sets; `overrides`
+    come after the tiny model's arguments (e.g. `("--hidden-dropout", "0.1")`)."""
     import socket
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    return _run([sys.executable, str(SCRIPT), *args], {**env, **world}, cwd)
+    return _run([sys.executable, str(SCRIPT), *args], {**env, **world}, cwd, overrides)
 
 
 def assert_stops_before_training(done: subprocess.CompletedProcess, message: str) -> None:

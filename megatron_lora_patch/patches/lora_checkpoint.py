@@ -15,9 +15,11 @@ keeps the adapters' init, a load of mismatched adapters stops with one line
 LoRA model is adapter-sized and its frozen base is read back from the base checkpoint
 (`megatron_lora_patch.lora.checkpoints.workflow`, docs/checkpoints.md).
 
-Megatron-LM (`megatron.training`): `setup_model_and_optimizer` stops a LoRA run whose base
-never loaded; the argument parser accepts `--save-trainable-params-only` (Megatron-LM PR #7280)
-where the installed Megatron-LM does not define it yet.
+Megatron-LM (`megatron.training`): `setup_model_and_optimizer` stops a LoRA run before its first
+step when its base never loaded, its `--save` directory holds a checkpoint it did not resume from, or
+its checkpoint arguments contradict each other (`megatron_lora_patch.lora.checkpoints.guards`); the
+argument parser accepts `--save-trainable-params-only` (Megatron-LM PR #7280) where the installed
+Megatron-LM does not define it yet.
 """
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ def _patch_dist_checkpointing(patcher, dist_checkpointing) -> None:
 
 
 def _setup_model_and_optimizer(wrapped, instance, args, kwargs):
-    from megatron_lora_patch.lora.checkpoints.workflow import require_loaded_base
+    from megatron_lora_patch.lora.checkpoints.guards import setup_model_and_optimizer
 
-    return require_loaded_base(wrapped, instance, args, kwargs)
+    return setup_model_and_optimizer(wrapped, instance, args, kwargs)
 
 
 def _patch_training(patcher, training) -> None:

@@ -18,7 +18,10 @@ are subtrees), every GEMM has a shape fixed by the width alone, and the vocab an
 run over the gathered operand; TP = 1 runs the same code. No rank holds a full base weight.
 """
 
+from megatron_lora_patch.runtime.errors import UsageError
 
-class TPInvariantUnsupported(ValueError):
-    """The TP-invariant mode cannot run this configuration bit-exactly; the message says what to change."""
+
+class TPInvariantUnsupported(UsageError, ValueError):
+    """The TP-invariant mode cannot run this configuration bit-exactly; the message says what to change (a
+    `UsageError`: an uncaught one is one line, e.g. in a Megatron-LM run)."""
 

@@ -1,5 +1,5 @@
-"""Megatron-LM checkpoints of a LoRA run: adapter-sized on save, the base completed on load,
-and no training on a base that never loaded (docs/checkpoints.md).
+"""Megatron-LM checkpoints of a LoRA run: adapter-sized on save, the base completed on load
+(docs/checkpoints.md); the run's own checks before its first step are `guards`.
 
 - **save** (`trim_save`, from the `dist_checkpointing.save` wrapper): a Megatron-LM training
   checkpoint (its state carries `args` and `checkpoint_version`) of a model with adapters
@@ -9,12 +9,9 @@ and no training on a base that never loaded (docs/checkpoints.md).
   was loaded from is recorded beside them (`BASE_KEY`). `MEGATRON_LORA_FULL_CHECKPOINTS=1` keeps
   full checkpoints.
 - **load** (`load_with_base`): frozen parameters a checkpoint does not hold (an adapter-only
-  checkpoint, ours or #7280's) are read from the base: `--pretrained-checkpoint` when given, else
-  the recorded base directory. Without either the load stops with one line.
-- **guard** (`require_loaded_base`, after Megatron-LM's `setup_model_and_optimizer`): a LoRA
-  run whose frozen base was never loaded (no `--load` / `--pretrained-checkpoint`, or a directory
-  without a checkpoint: Megatron only prints "will start from random") stops with one line;
-  `MEGATRON_LORA_ALLOW_RANDOM_BASE=1` lets tests train on a random base.
+  checkpoint, ours or #7280's) are read from the base: `--pretrained-checkpoint` when given (it must
+  be the recorded base while that exists), else the recorded base directory. Without either the load
+  stops with one line, and so does a base whose tensors have other shapes than the model's.
 """
 
 from __future__ import annotations
@@ -27,15 +24,15 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from megatron_lora_patch.runtime.errors import UsageError
-from megatron_lora_patch.runtime.flags import ALLOW_RANDOM_BASE_VARIABLE, FULL_CHECKPOINTS_VARIABLE, env_bool
+from megatron_lora_patch.runtime.flags import FULL_CHECKPOINTS_VARIABLE, env_bool
 
 logger = logging.getLogger(__name__)
 
 #: Common-state entry of an adapter-only Megatron-LM checkpoint: where its base weights are.
 BASE_KEY = "megatron_lora_patch_base"
-_FIX = "pass --pretrained-checkpoint BASE_DIR (or --load BASE_DIR --finetune)"
+BASE_FIX = "pass --pretrained-checkpoint BASE_DIR (or --load BASE_DIR --finetune)"
 #: Directories the frozen base of this process was loaded from (empty: the base was never loaded).
-_LOADED_BASE: List[str] = []
+LOADED_BASE: List[str] = []
 
 
 class BaseCheckpointError(UsageError):
@@ -110,7 +107,7 @@ def trim_save(state: dict) -> None:
     slots = list(frozen_slots(state))
     for path, _ in slots:
         _pop(state, path)
-    state[BASE_KEY] = {"path": _LOADED_BASE[-1] if _LOADED_BASE else None, "frozen_tensors_left_out": len(slots)}
+    state[BASE_KEY] = {"path": LOADED_BASE[-1] if LOADED_BASE else None, "frozen_tensors_left_out": len(slots)}
 
 
 def _pretrained_dir() -> Optional[str]:
@@ -131,26 +128,56 @@ def _recorded_base(directory: str) -> Optional[str]:
     return recorded.get("path") if isinstance(recorded, dict) else None
 
 
-def base_directory(directory: str) -> Optional[str]:
-    """The distributed checkpoint to read the base from for `directory`: --pretrained-checkpoint, else the
-    recorded base; None when neither exists."""
+def base_directory(directory: str, recorded: Optional[str]) -> Optional[str]:
+    """The distributed checkpoint to read the base of `directory` (whose recorded base is `recorded`) from:
+    --pretrained-checkpoint when given (refused when the recorded base exists and is another checkpoint), else
+    the recorded base; None when neither exists."""
     from megatron_lora_patch.lora.checkpoints.source import resolve
 
-    for candidate in (_pretrained_dir(), _recorded_base(directory)):
-        if candidate and os.path.isdir(candidate):
-            return resolve(candidate)
-    return None
+    given = _pretrained_dir()
+    recorded = recorded if recorded and os.path.isdir(recorded) else None
+    if given:
+        base = resolve(given)  # guards.check_pretrained made sure it is a checkpoint
+        if recorded and not os.path.samefile(base, recorded):
+            named = given if base == given else f"{given} ({base})"
+            raise BaseCheckpointError(
+                f"--pretrained-checkpoint {named} is not the base {directory} was trained on ({recorded}, recorded "
+                f"in the checkpoint); pass --pretrained-checkpoint {recorded} or leave it out"
+            )
+        return base
+    return resolve(recorded) if recorded else None
 
 
 def _missing_base_error(directory: str, count: int, wanted: Optional[str]) -> BaseCheckpointError:
     where = f"the recorded base {wanted} does not exist" if wanted else "no base directory is recorded"
     return BaseCheckpointError(
-        f"{directory} holds the LoRA adapters but not the {count} frozen base tensors, and {where}; {_FIX}"
+        f"{directory} holds the LoRA adapters but not the {count} frozen base tensors, and {where}; {BASE_FIX}"
     )
 
 
-def _read_base(wrapped: Any, slots: List[Tuple[Tuple, Any]], base: str, directory: str) -> Dict[Tuple, Any]:
-    """The frozen tensors of `slots` read from the base checkpoint `base` (Megatron's own load, resharded)."""
+def check_shapes(slots: List[Tuple[Tuple, Any]], held: Dict[str, Any], directory: str) -> None:
+    """Raise one line when `directory` (its tensor metadata `held`) holds a tensor of `slots` in another global
+    shape than this model's (another --hidden-size, --num-layers, ...): Megatron's loader would fail deep in
+    torch.distributed.checkpoint. Factories (SwiGLU fc1) are left out: fc2 beside them has the same sizes."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    differs = [
+        (entry.key, tuple(held[entry.key].global_shape), tuple(entry.global_shape))
+        for _, entry in slots
+        if isinstance(entry, ShardedTensor) and entry.key in held
+        and tuple(held[entry.key].global_shape) != tuple(entry.global_shape)
+    ]
+    if differs:
+        key, saved, here = differs[0]
+        raise BaseCheckpointError(
+            f"the base weights in {directory} do not fit this model: {key} has shape {saved} there but {here} "
+            f"here ({len(differs)} tensors differ); build the model with the arguments the base was saved with "
+            "(--hidden-size, --num-layers, ...)"
+        )
+
+
+def _check_base(slots: List[Tuple[Tuple, Any]], base: str, directory: str) -> None:
+    """The base checkpoint `base` holds every tensor of `slots`, in this model's shapes."""
     from megatron.core import dist_checkpointing
 
     held = dist_checkpointing.load_tensors_metadata(base)
@@ -158,8 +185,13 @@ def _read_base(wrapped: Any, slots: List[Tuple[Tuple, Any]], base: str, director
     if absent:
         raise BaseCheckpointError(
             f"the base {base} of {directory} lacks {absent[0]} ({len(absent)} tensors); it is not the base the "
-            f"adapters were trained on; {_FIX}"
+            f"adapters were trained on; {BASE_FIX}"
         )
+    check_shapes(slots, held, base)
+
+
+def _read_base(wrapped: Any, slots: List[Tuple[Tuple, Any]], base: str) -> Dict[Tuple, Any]:
+    """The frozen tensors of `slots` read from the base checkpoint `base` (Megatron's own load, resharded)."""
     request = {str(index): entry for index, (_, entry) in enumerate(slots)}
     loaded = wrapped(request, base)
     loaded = loaded[0] if isinstance(loaded, tuple) else loaded
@@ -178,45 +210,32 @@ def load_with_base(wrapped: Any, instance: Any, args: tuple, kwargs: dict, load:
         return load(wrapped, instance, args, kwargs)
     held = dist_checkpointing.load_tensors_metadata(directory)
     missing = [(path, entry) for path, entry in slots if entry.key not in held]
+    check_shapes(slots, held, directory)
     if not missing:
         result = load(wrapped, instance, args, kwargs)
-        _LOADED_BASE.append(os.path.abspath(directory))
+        LOADED_BASE.append(os.path.abspath(directory))
         return result
-    base, count = base_directory(directory), len({entry.key for _, entry in missing})
+    recorded, count = _recorded_base(directory), len({entry.key for _, entry in missing})
+    base = base_directory(directory, recorded)
     if base is None:
-        raise _missing_base_error(directory, count, _pretrained_dir() or _recorded_base(directory))
+        raise _missing_base_error(directory, count, _pretrained_dir() or recorded)
+    _check_base(missing, base, directory)
     for path, _ in missing:
         _pop(state, path)
     result = load(wrapped, instance, args, kwargs)
     loaded = result[0] if isinstance(result, tuple) else result
-    for path, value in _read_base(wrapped, missing, base, directory).items():
+    for path, value in _read_base(wrapped, missing, base).items():
         _place(loaded, path, value)
-    _LOADED_BASE.append(os.path.abspath(base))
-    _announce(directory, base, count)
+    LOADED_BASE.append(os.path.abspath(base))
+    _announce(directory, base, count, recorded)
     return result
 
 
-def _announce(directory: str, base: str, count: int) -> None:
+def _announce(directory: str, base: str, count: int, recorded: Optional[str]) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
-        logger.info("LoRA: %s is adapter-only: its %d frozen base tensors load from %s", directory, count, base)
-
-
-def require_loaded_base(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Megatron-LM's `setup_model_and_optimizer`, then: a model with adapters whose frozen base was never
-    loaded stops the run with one line (before the first step), unless MEGATRON_LORA_ALLOW_RANDOM_BASE=1."""
-    from megatron_lora_patch.lora.layers import attach
-
-    result = wrapped(*args, **kwargs)
-    if _LOADED_BASE or not attach.attached_models() or env_bool(ALLOW_RANDOM_BASE_VARIABLE):
-        return result
-    from megatron.training.global_vars import get_args
-
-    given = get_args()
-    named = given.load or given.pretrained_checkpoint
-    why = f"no checkpoint was found in {named}" if named else "neither --load nor --pretrained-checkpoint is given"
-    raise BaseCheckpointError(
-        f"LoRA would train on a randomly initialised base: {why}; {_FIX}, "
-        f"or set {ALLOW_RANDOM_BASE_VARIABLE}=1 to train on a random base on purpose (tests)"
-    )
+        moved = f" (the recorded base {recorded} no longer exists)" if recorded and not os.path.isdir(recorded) else ""
+        logger.info(
+            "LoRA: %s is adapter-only: its %d frozen base tensors load from %s%s", directory, count, base, moved
+        )

@@ -1,0 +1,119 @@
+"""What Megatron-LM's `setup_model_and_optimizer` checks for a LoRA run, so that a mistake stops it with one
+line before the first step and leaves every file as it was (docs/checkpoints.md section 4).
+
+Before the model is built:
+- `MEGATRON_LORA_FULL_CHECKPOINTS=1` against `--save-trainable-params-only` (else only the first save, after
+  training, would meet the contradiction, and leave an empty `iter_*` directory behind);
+- a `--pretrained-checkpoint` that holds no checkpoint (Megatron-LM raises without naming it when it would
+  start from it, and ignores it when `--load` holds a checkpoint).
+
+After the load:
+- a model with adapters whose frozen base no load filled (Megatron-LM only prints "will start from
+  random"), unless `MEGATRON_LORA_ALLOW_RANDOM_BASE=1`;
+- a `--save` directory that already holds a checkpoint this run did not resume from: Megatron-LM would write
+  its iterations over it (re-running `--load BASE --finetune --save LORA_DIR` starts at iteration 1 again).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from megatron_lora_patch.lora.checkpoints.workflow import BASE_FIX, LOADED_BASE, BaseCheckpointError, full_checkpoints
+from megatron_lora_patch.runtime.flags import ALLOW_RANDOM_BASE_VARIABLE, env_bool
+
+
+def _what_is_not_a_checkpoint(path: str, resuming: bool) -> Optional[str]:
+    """Why `path` cannot be the base checkpoint Megatron-LM (or, on resume, the base loader) reads, or None."""
+    from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
+    from megatron.training.checkpointing import checkpoint_exists, get_checkpoint_tracker_filename
+
+    if checkpoint_exists(path):
+        return None
+    if not os.path.exists(path):
+        return "does not exist"
+    if not os.path.isdir(path):
+        return "is a file, not a checkpoint directory"
+    if check_is_distributed_checkpoint(path):
+        parent = os.path.dirname(os.path.abspath(path))
+        return None if resuming else f"is an iteration directory; Megatron-LM starts from its --save directory {parent}"
+    return f"holds no checkpoint (no {os.path.basename(get_checkpoint_tracker_filename(path))})"
+
+
+def check_pretrained(args: Any) -> None:
+    """Refuse a `--pretrained-checkpoint` that holds no checkpoint, in one line naming it."""
+    from megatron.training.checkpointing import checkpoint_exists
+
+    given = getattr(args, "pretrained_checkpoint", None)
+    if not given:
+        return
+    problem = _what_is_not_a_checkpoint(given, resuming=checkpoint_exists(args.load))
+    if problem:
+        raise BaseCheckpointError(
+            f"--pretrained-checkpoint {given} {problem}; pass the directory the base checkpoint was saved to (--save)"
+        )
+
+
+def _require_loaded_base(args: Any) -> None:
+    """A model with adapters whose frozen base was never loaded stops the run, unless tests allow it."""
+    if LOADED_BASE or env_bool(ALLOW_RANDOM_BASE_VARIABLE):
+        return
+    named = args.load or args.pretrained_checkpoint
+    why = f"no checkpoint was found in {named}" if named else "neither --load nor --pretrained-checkpoint is given"
+    raise BaseCheckpointError(
+        f"LoRA would train on a randomly initialised base: {why}; {BASE_FIX}, "
+        f"or set {ALLOW_RANDOM_BASE_VARIABLE}=1 to train on a random base on purpose (tests)"
+    )
+
+
+def _same_directory(path: Optional[str], other: str) -> bool:
+    return bool(path) and os.path.isdir(path) and os.path.samefile(path, other)
+
+
+def _resumed_from(args: Any, save: str, latest: str) -> bool:
+    """Whether this run loaded the checkpoint of iteration `latest` from `save` and continues from it."""
+    return _same_directory(args.load, save) and not args.finetune and str(args.iteration) == latest
+
+
+def _base_argument(args: Any, save: str) -> str:
+    """The base directory this run was given, for the resume command of a refusal (BASE_DIR if unknown)."""
+    if args.pretrained_checkpoint:
+        return args.pretrained_checkpoint
+    if args.finetune and args.load and not _same_directory(args.load, save):
+        return args.load
+    return "BASE_DIR"
+
+
+def check_save_directory(args: Any) -> None:
+    """Refuse a `--save` directory that holds a checkpoint this run did not resume from (one line naming how to
+    resume it and how to start over); Megatron-LM would overwrite its iterations."""
+    from megatron.training.checkpointing import checkpoint_exists, get_checkpoint_tracker_filename
+
+    save = args.save
+    if not checkpoint_exists(save):
+        return
+    with open(get_checkpoint_tracker_filename(save)) as handle:  # not read_metadata: it exits on a garbled one
+        latest = handle.read().strip()
+    if _resumed_from(args, save, latest):
+        return
+    resume = f"--pretrained-checkpoint {_base_argument(args, save)} --load {save}"
+    raise BaseCheckpointError(
+        f"--save {save} already holds the checkpoint of iteration {latest}, which this run (starting at iteration "
+        f"{args.iteration + 1}) would overwrite; to resume it pass {resume}, to start over pass a new --save directory"
+    )
+
+
+def setup_model_and_optimizer(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Megatron-LM's `setup_model_and_optimizer` with the checks above around it."""
+    from megatron.training.global_vars import get_args
+
+    from megatron_lora_patch.lora.layers import attach
+
+    given = get_args()
+    full_checkpoints(given)
+    check_pretrained(given)
+    result = wrapped(*args, **kwargs)
+    if attach.attached_models():
+        _require_loaded_base(given)
+        check_save_directory(given)
+    return result
