@@ -124,6 +124,11 @@ CONFIGURATION = {
         "MEGATRON_LORA_PATCH_LORA_LINEAR turns lora_linear on but MEGATRON_LORA_DISABLED_PATCHES lists it; "
         "remove one of the two",
     ),
+    "former name on, new name off": (  # was silent: the mode stayed off
+        {"MEGATRON_LORA_PATCH_TP_INVARIANT": "1", "MEGATRON_LORA_PATCH_LAYOUT_INVARIANT": "0"},
+        "MEGATRON_LORA_PATCH_TP_INVARIANT turns layout_invariant on but MEGATRON_LORA_PATCH_LAYOUT_INVARIANT turns "
+        "it off; remove one of the two (MEGATRON_LORA_PATCH_TP_INVARIANT is its former name)",
+    ),
 }
 
 
