@@ -246,6 +246,12 @@ def read_error(error: BaseException) -> str:
     return f"{type(cause).__name__}: {text}".removesuffix(": ")
 
 
+def unreadable_tensors(directory: str, error: BaseException) -> str:
+    """The one line for a checkpoint whose tensor files cannot be read (truncated or damaged in a copy)."""
+    return (f"{directory} has an unreadable tensor file ({read_error(error)}): it is truncated or damaged; copy the "
+            "checkpoint again from where it was saved")
+
+
 def _unreadable(label: str, directory: str, error: BaseException) -> str:
     """Why `directory`'s common state (the description) cannot be read; a missing legacy `common.pt` by name
     (Megatron-Core < 0.19 keeps the common state there; its own error for that names no file)."""
@@ -324,7 +330,10 @@ def load_adapters(chunks: Iterable[torch.nn.Module], directory: str) -> None:
             f"model {'has no' if shared else 'has'} them; set MEGATRON_LORA_EXPERT_SHARED_OUTER={int(shared)}"
         )
     sharded = adapter_only_sharded_state_dict(chunks)
-    loaded = dist_checkpointing.load(sharded, directory)
+    try:
+        loaded = dist_checkpointing.load(sharded, directory)
+    except (CheckpointException, OSError, EOFError) as error:  # a truncated or damaged .distcp file
+        raise AdapterCheckpointError(unreadable_tensors(directory, error)) from None
     # A shared outer expert factor sits under every local expert's name (lora/layers/shared_outer.py).
     parameters = dict(single_model(chunks).named_parameters(remove_duplicate=False))
     with torch.no_grad():
