@@ -111,7 +111,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "topologies; MoE with ep and etp)",
     )
     parser.add_argument("--tp-invariant", action="store_true", help="deprecated name of --layout-invariant")
-    parser.add_argument("--timeout", default="600", help=f"seconds per run before a world is killed (default 600, at most {checks.MAX_TIMEOUT_S})")
+    parser.add_argument(
+        "--timeout", default="600",
+        help=f"seconds per run before a world is killed (default 600, at most {checks.MAX_TIMEOUT_S})",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="show the ranks' Megatron/torch warnings")
     parser.set_defaults(run=run)
 
