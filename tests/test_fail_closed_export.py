@@ -13,7 +13,7 @@ import sys
 
 import persistence_worker as worker
 import pytest
-from conftest import assert_one_line_error, clean_environ
+from conftest import assert_one_line_error, clean_environ, run_fresh
 from test_fail_closed_cli import PEFT_TENSORS, SPEC, export, no_staging_left, saved, tree  # noqa: F401 (fixture)
 
 from megatron_lora_patch import cli
@@ -123,3 +123,30 @@ def test_a_full_disk_during_the_export_is_one_line_and_leaves_nothing(saved, tmp
     )
     assert no_staging_left(tmp_path)
     assert (tree(out) == {"old.txt": b"keep me"}) if existing else not out.exists()
+
+
+class _Code:
+    """A pickle that runs code when loaded without weights_only: it makes the directory `marker`."""
+
+    def __init__(self, marker: pathlib.Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def test_a_legacy_common_state_is_read_weights_only_whatever_torch_defaults_to(tmp_path):
+    """A user's `common.pt` (Megatron-Core < 0.19) is read with weights_only=True said explicitly: with torch's
+    default turned off (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1) the pickle's code still does not run."""
+    import torch
+
+    checkpoint, marker = tmp_path / "iter_0000002", tmp_path / "code-ran"
+    checkpoint.mkdir()
+    (checkpoint / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    torch.save({"megatron_lora_patch": _Code(marker)}, checkpoint / "common.pt")
+    result = run_fresh(["-m", "megatron_lora_patch", "export", "--checkpoint", str(checkpoint), "--out",
+                        str(tmp_path / "out")], TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
+    message = (f"--checkpoint {checkpoint} is an unreadable distributed checkpoint (UnpicklingError: Weights only "
+               "load failed); save or copy it again")
+    assert_one_line_error(result, message, 2)
+    assert not marker.exists() and not (tmp_path / "out").exists()

@@ -272,9 +272,22 @@ def _legacy_format(error: BaseException) -> bool:
     return "iterdir" in text or "FileNotFoundError" in text or "common_state" in text
 
 
+def _common_state(directory: str) -> Any:
+    """The checkpoint's common state. A legacy `common.pt` (Megatron-Core < 0.19 writes one) is a pickle from the
+    user: read here with `torch.load(weights_only=True)` said explicitly (Megatron's reader relies on torch's
+    default, which a TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 or a torch < 2.6 turns off); Megatron-Core 0.19 reads its
+    own format with weights_only=True itself."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+
+    legacy = os.path.join(directory, COMMON_STATE_FNAME)
+    if os.path.isfile(legacy):
+        return torch.load(legacy, map_location="cpu", weights_only=True)
+    return dist_checkpointing.load_common_state_dict(directory)
+
+
 def read_description(directory: str, label: str = "adapter checkpoint") -> Dict[str, Any]:
     """The description saved by `save_adapters`, or a one-line `AdapterCheckpointError` saying what `directory` is."""
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CONFIG_FNAME
 
     fix = "pass the directory save_adapters wrote"
@@ -289,7 +302,7 @@ def read_description(directory: str, label: str = "adapter checkpoint") -> Dict[
             f"{label} {directory} is not a Megatron distributed checkpoint (no {CONFIG_FNAME}); {fix}"
         )
     try:
-        common = dist_checkpointing.load_common_state_dict(directory)
+        common = _common_state(directory)
     except Exception as error:  # a damaged common state fails in several ways
         raise AdapterCheckpointError(_unreadable(label, directory, error)) from None
     except CheckpointException as error:  # a BaseException: torch's reader wraps each rank's error in it
