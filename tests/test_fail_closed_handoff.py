@@ -22,7 +22,7 @@ SEED = 7
 SPEC = TinyGPTSpec()
 PEFT_TENSORS = 14 * SPEC.num_layers  # per layer: A and B of q, k, v, o, gate, up, down
 BOUND_S = 60.0  # well under any collective timeout (10 to 30 minutes): a hang would reach run_world's timeout
-COLLECTIVE = "it is collective: every rank must call"
+COLLECTIVE = "it is collective: every rank must"
 GOOD = ("adapter_state", {"dst": 0, "family": "llama"}, 0.0)
 
 
@@ -33,8 +33,8 @@ def run_calls(calls: dict) -> list:
 def test_ranks_passing_different_dst_get_one_line_each_then_hand_off():
     calls = {rank: [("adapter_state", {"dst": rank, "family": "llama"}, 0.0), GOOD] for rank in (0, 1)}
     ranks = run_calls(calls)
-    message = (f"handoff.adapter_state: the ranks disagree on dst (rank 0: 0, rank 1: 1); {COLLECTIVE} the same "
-               "dst (handoff.adapter_state or handoff.stream) at the same point")
+    message = (f"handoff.adapter_state: the ranks disagree on dst (rank 0: 0, rank 1: 1); {COLLECTIVE} pass the "
+               "same dst to handoff.adapter_state")
     assert [outcomes[0][0] for outcomes in ranks] == [message, message]
     assert all(seconds < BOUND_S for outcomes in ranks for _, seconds in outcomes)
     assert [outcomes[1][0] for outcomes in ranks] == [f"ok {PEFT_TENSORS}", "ok 0"]  # still in step
@@ -42,11 +42,9 @@ def test_ranks_passing_different_dst_get_one_line_each_then_hand_off():
 
 def test_ranks_calling_different_functions_get_one_line_each():
     ranks = run_calls({0: [("stream", {"family": "llama"}, 0.0)], 1: [GOOD]})
-    message = (f"handoff.stream: the ranks disagree on call (rank 0: 'stream', rank 1: 'adapter_state'); "
-               f"{COLLECTIVE} the same hand-off function (handoff.adapter_state or handoff.stream) at the same point")
-    assert [outcomes[0][0].replace("handoff.adapter_state:", "handoff.stream:", 1) for outcomes in ranks] == [
-        message, message]
-    assert ranks[1][0][0].startswith("handoff.adapter_state: the ranks disagree on call")
+    message = ("handoff.{}: the ranks disagree on call (rank 0: 'stream', rank 1: 'adapter_state'); "
+               f"{COLLECTIVE} call the same hand-off function (handoff.adapter_state or handoff.stream)")
+    assert [outcomes[0][0] for outcomes in ranks] == [message.format("stream"), message.format("adapter_state")]
 
 
 def test_a_rank_that_never_calls_is_named_after_the_timeout():

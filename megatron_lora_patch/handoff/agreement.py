@@ -41,9 +41,9 @@ def _disagreement(call: str, posts: List[dict]) -> Optional[str]:
         values = [post[field] for post in posts]
         if len(set(map(repr, values))) > 1:
             seen = ", ".join(f"rank {rank}: {value!r}" for rank, value in enumerate(values))
-            what = "the same hand-off function" if field == "call" else f"the same {field}"
-            return (f"handoff.{call}: the ranks disagree on {field} ({seen}); it is collective: every rank must "
-                    f"call {what} (handoff.adapter_state or handoff.stream) at the same point")
+            fix = ("call the same hand-off function (handoff.adapter_state or handoff.stream)" if field == "call"
+                   else f"pass the same {field} to handoff.{call}")
+            return f"handoff.{call}: the ranks disagree on {field} ({seen}); it is collective: every rank must {fix}"
     return None
 
 
