@@ -118,3 +118,38 @@ def train_state_world(rank: int, world: int, topology: str, spec, environ: dict,
         save_adapters(chunks, directory)
         return {"config": state.config, "tensors": state.tensors,
                 "logits": persistence_worker.full_logits(chunks[0].module, spec)}
+
+
+def calls_world(rank: int, world: int, topology: str, spec, seed: int, calls) -> list:
+    """Build the model with adapters of `seed`, then make this rank's hand-off `calls` in order: each
+    (function name, keyword arguments, seconds to sleep first), or None for a call this rank skips. Per call
+    (outcome, seconds it took): "ok" with the number of tensors this rank got, or the UsageError's message."""
+    import time
+
+    from megatron_lora_patch import handoff
+    from megatron_lora_patch.proof.testbed.models import build_model
+    from megatron_lora_patch.proof.testbed.topology import Topology
+    from megatron_lora_patch.runtime.errors import UsageError
+
+    persistence_worker.setup(persistence_worker.lora_config(seed))
+    parsed = Topology.parse(topology)
+    outcomes = []
+    with parsed.world():
+        chunks = build_model(spec, parsed)
+        for call in calls[rank]:
+            if call is None:
+                outcomes.append(("skipped", 0.0))
+                continue
+            function, options, delay = call
+            time.sleep(delay)
+            start = time.monotonic()
+            try:
+                if function == "stream":
+                    tensors = {key: value for _, part in handoff.stream(chunks, **options)[1] for key, value in
+                               part.items()}
+                else:
+                    tensors = handoff.adapter_state(chunks, **options).tensors
+                outcomes.append((f"ok {len(tensors)}", time.monotonic() - start))
+            except UsageError as error:
+                outcomes.append((str(error), time.monotonic() - start))
+    return outcomes

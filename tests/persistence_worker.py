@@ -278,3 +278,23 @@ def overwrite_world(rank: int, world: int, topology: str, spec, seed: int, root:
                 adapter.B.mul_(2)
         save_adapters(chunks, paths["replaced"], overwrite=True)
         return {"refusal": refusal, "base_before": before, "base_after": _tree_bytes(paths["base"]), "paths": paths}
+
+
+def damaged_load_world(rank: int, world: int, topology: str, spec, directories: List[str]) -> List[str]:
+    """Build, then `load_adapters` each of `directories`: per directory "loaded" or the one-line UsageError."""
+    from megatron_lora_patch.lora.checkpoints.checkpoint import load_adapters
+    from megatron_lora_patch.proof.testbed.models import build_model
+    from megatron_lora_patch.proof.testbed.topology import Topology
+    from megatron_lora_patch.runtime.errors import UsageError
+
+    setup(lora_config(999))
+    outcomes = []
+    with Topology.parse(topology).world():
+        chunks = build_model(spec, Topology.parse(topology))
+        for directory in directories:
+            try:
+                load_adapters(chunks, directory)
+                outcomes.append("loaded")
+            except UsageError as error:
+                outcomes.append(str(error))
+    return outcomes

@@ -109,6 +109,11 @@ CONFIG_FILE_ERRORS = {
         "targets = []\n",
         "targets in {path} must be a non-empty comma-separated list of module names or glob patterns, got []",
     ),
+    "boolean_as_integer": (  # the message listed 1 as accepted while refusing it
+        "shared.toml",
+        "expert_shared_outer = 1\n",
+        "expert_shared_outer in {path} must be true or false, got 1",
+    ),
 }
 
 
@@ -122,6 +127,28 @@ def test_bad_config_file_stops_activation(tmp_path, case):
         path.write_text(content)
     result = run_fresh(["-c", ACTIVATE], MEGATRON_LORA_CONFIG=str(path))
     assert_one_line_error(result, message.format(path=path))
+
+
+@pytest.mark.parametrize("content", ["expert_shared_outer = true\n", 'expert_shared_outer = "1"\n'])
+def test_booleans_in_a_config_file_as_toml_booleans_or_text(tmp_path, content):
+    path = tmp_path / "shared.toml"
+    path.write_text(content)
+    assert lora_config.LoraConfig.from_env({"MEGATRON_LORA_CONFIG": str(path)}).expert_shared_outer is True
+
+
+def test_names_from_code_are_any_sequence_of_strings_or_the_variables_text():
+    """`LoraConfig(targets=[...])` was refused as "must be a comma-separated list"."""
+    config = lora_config.LoraConfig(targets=["linear_qkv", "linear_proj"], exclude=["*.layers.0.*"],
+                                    modules_to_save=["output_layer"])
+    assert (config.targets, config.exclude, config.modules_to_save) == (
+        ("linear_qkv", "linear_proj"), ("*.layers.0.*",), ("output_layer",))
+    assert lora_config.LoraConfig(targets="linear_qkv, linear_fc1").targets == ("linear_qkv", "linear_fc1")
+    with pytest.raises(UsageError) as refused:
+        lora_config.LoraConfig(targets=["linear_qkv", 3])
+    assert str(refused.value) == (
+        "LoraConfig.targets must be a non-empty comma-separated list of module names or glob patterns, "
+        "got ('linear_qkv', 3)"
+    )
 
 
 def test_empty_values_mean_unset():

@@ -27,14 +27,16 @@ TP3 = (
     "ffn_hidden_size=128 are not divisible by tp3; use tp in {1, 2, 4}"
 )
 
+TIMEOUT = "--timeout must be a number of seconds above 0 and at most 604800 (a week), got {}"
 BAD_INPUTS = {
     "steps-zero": (["--steps", "0"], "--steps must be an integer from 1 to 20, got '0'"),
     "steps-word": (["--steps", "ten"], "--steps must be an integer from 1 to 20, got 'ten'"),
     "steps-beyond-calibration": (["--steps", "21"], "--steps must be an integer from 1 to 20, got '21'"),
     "seed-negative": (["--seed", "-1"], "--seed must be an integer from 0 to 2147483647, got '-1'"),
     "seed-beyond-numpy": (["--seed", str(2**32)], f"--seed must be an integer from 0 to 2147483647, got '{2**32}'"),
-    "timeout-negative": (["--timeout", "-1"], "--timeout must be a positive number of seconds, got '-1'"),
-    "timeout-nan": (["--timeout", "nan"], "--timeout must be a positive number of seconds, got 'nan'"),
+    "timeout-negative": (["--timeout", "-1"], TIMEOUT.format("'-1'")),
+    "timeout-nan": (["--timeout", "nan"], TIMEOUT.format("'nan'")),
+    "timeout-overflowing": (["--timeout", "1e9"], TIMEOUT.format("'1e9'")),  # was an OverflowError traceback
     "json-missing-dir": (
         ["--json", "/nonexistent-dir/r.json"],
         "--json /nonexistent-dir/r.json: /nonexistent-dir does not exist; create the directory or choose another path",
@@ -121,6 +123,21 @@ def test_bad_oracle_input_is_one_line_before_any_world(case):
     result = run_fresh(ORACLE + arguments)
     assert_one_line_error(result, message, returncode=2)
     assert result.stdout == ""  # no table, no verdict: nothing ran
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--json", "/nonexistent/x.json"],
+     "--json /nonexistent/x.json: /nonexistent does not exist; create the directory or choose another path"),
+    (["--timeout", "1e9"], TIMEOUT.format("'1e9'")),
+])
+def test_preflight_checks_its_report_path_and_timeout_before_any_run(tmp_path, options, message):
+    """Was: 80 s of training, PASS, then a FileNotFoundError traceback (--json); an OverflowError (--timeout)."""
+    dense = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+             "--micro-batch-size 1 --global-batch-size 4 --lr 1e-4 --train-iters 10 --mock-data "
+             "--tokenizer-type NullTokenizer --vocab-size 128 --tensor-model-parallel-size 2").split()
+    result = run_fresh(["-m", "megatron_lora_patch", "preflight", *options, "--", *dense])
+    assert_one_line_error(result, message, returncode=2)
+    assert result.stdout == ""  # no plan summary: nothing ran
 
 
 def test_misspelled_megatron_plugins_is_one_line_before_any_world():

@@ -15,9 +15,11 @@ import importlib.metadata
 import importlib.util
 import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
-from conftest import PLUGIN_FIXTURES, assert_one_line_error, run_fresh
+from conftest import PLUGIN_FIXTURES, assert_one_line_error, clean_environ, run_fresh
 
 BOOLEANS = "1, true, yes, on, 0, false, no, off"
 IMPORT = ["-c", "import megatron.core; print('imported')"]
@@ -123,6 +125,11 @@ CONFIGURATION = {
         {"MEGATRON_LORA_PATCH_LORA_LINEAR": "1", "MEGATRON_LORA_DISABLED_PATCHES": "lora_linear"},
         "MEGATRON_LORA_PATCH_LORA_LINEAR turns lora_linear on but MEGATRON_LORA_DISABLED_PATCHES lists it; "
         "remove one of the two",
+    ),
+    "former name on, new name off": (  # was silent: the mode stayed off
+        {"MEGATRON_LORA_PATCH_TP_INVARIANT": "1", "MEGATRON_LORA_PATCH_LAYOUT_INVARIANT": "0"},
+        "MEGATRON_LORA_PATCH_TP_INVARIANT turns layout_invariant on but MEGATRON_LORA_PATCH_LAYOUT_INVARIANT turns "
+        "it off; remove one of the two (MEGATRON_LORA_PATCH_TP_INVARIANT is its former name)",
     ),
 }
 
@@ -362,3 +369,21 @@ def test_status_of_lora_correct_on_the_installed_megatron():
     assert {rows[name]["installed"] for name in rows} == {INSTALLED}
     for name in ("lora_linear", "lora_checkpoint", "finalize_grads", "loss_normalization"):
         assert (rows[name]["state"], rows[name]["fresh_process"]) == ("applied", "applied"), rows[name]
+
+
+def test_status_names_the_megatron_core_a_run_imports_and_where_from(tmp_path):
+    """Was: without importing (--no-import) the installed wheel's version, while a checkout on the path supplies
+    another; and nothing said which Megatron-Core a script started in a Megatron-LM checkout imports."""
+    checkout = fake_megatron(tmp_path / "path", "0.12.0")
+    code, document = status_json("--no-import", MEGATRON_PLUGINS="lora_correct", PYTHONPATH=checkout)
+    assert document["megatron_core"] == {"version": "0.12.0", "path": str(tmp_path / "path" / "megatron" / "core"),
+                                         "wheel": INSTALLED, "working_directory": None}
+    assert {row["installed"] for row in document["patches"]} == {"0.12.0"}
+    here = fake_megatron(tmp_path / "cwd", "0.13.0")
+    result = subprocess.run([sys.executable, "-P", *STATUS], env=clean_environ(MEGATRON_PLUGINS="lora_correct"),
+                            capture_output=True, text=True, timeout=300, cwd=here)
+    installed = pathlib.Path(importlib.util.find_spec("megatron.core").origin).parent
+    assert result.stdout.splitlines()[-1] == (
+        f"megatron-core: {INSTALLED} imported from {installed}; a script started in this directory (such as "
+        f"pretrain_gpt.py) imports megatron-core 0.13.0 from {here}/megatron/core instead"
+    ), result.stderr[-3000:]

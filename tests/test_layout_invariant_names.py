@@ -41,8 +41,21 @@ def test_the_former_variable_and_disabled_entry_work():
     disabled = {flags.DISABLED_VARIABLE: "tp_invariant"}
     assert flags.resolve_enabled({**DEFAULTS, "layout_invariant": True}, environ=disabled)["layout_invariant"] == (
         False, "env")
-    new_wins = {old: "1", flags.patch_variable("layout_invariant"): "0"}
-    assert flags.resolve_enabled(DEFAULTS, environ=new_wins)["layout_invariant"] == (False, "env")
+    both = {old: "1", flags.patch_variable("layout_invariant"): "yes"}
+    assert flags.resolve_enabled(DEFAULTS, environ=both)["layout_invariant"] == (True, "env")
+
+
+@pytest.mark.parametrize("former, new", [("1", "0"), ("0", "1")])
+def test_the_former_and_new_variable_disagreeing_is_one_line(former, new):
+    """Was silent: the new variable won, so TP_INVARIANT=1 with LAYOUT_INVARIANT=0 left the mode off."""
+    environ = {flags.patch_variable("tp_invariant"): former, flags.patch_variable("layout_invariant"): new}
+    with pytest.raises(flags.FlagError) as refused:
+        flags.resolve_enabled(DEFAULTS, environ=environ)
+    on, off = ("on", "off") if former == "1" else ("off", "on")
+    assert str(refused.value) == (
+        f"MEGATRON_LORA_PATCH_TP_INVARIANT turns layout_invariant {on} but MEGATRON_LORA_PATCH_LAYOUT_INVARIANT "
+        f"turns it {off}; remove one of the two (MEGATRON_LORA_PATCH_TP_INVARIANT is its former name)"
+    )
 
 
 def _oracle_arguments(*extra: str) -> argparse.Namespace:

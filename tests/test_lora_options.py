@@ -89,8 +89,8 @@ def test_bad_values_fail_with_one_line(variable, value, requirement):
 def test_bad_values_from_code_and_files_fail():
     with pytest.raises(LoraConfigError, match="LoraConfig.rank_pattern must be"):
         LoraConfig(rank_pattern={"linear_fc1": "8"})
-    with pytest.raises(LoraConfigError, match="LoraConfig.rslora must be one of 1, true"):
-        LoraConfig(rslora=1)
+    with pytest.raises(LoraConfigError, match="LoraConfig.rslora must be true or false, got 1"):
+        LoraConfig(rslora=1)  # typed: 1 is not a boolean (as text, "1" is)
 
 
 # -- the model build: pattern entries must match an adapted layer ------------------------------

@@ -6,10 +6,9 @@ Exit code 0 only if every topology matched and, with --mutations, every mutation
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
-import tempfile
+
+from megatron_lora_patch.cli import checks
 
 #: Runs in under 3 minutes on 2 CPU cores: every parallel dimension once, 2 ranks each.
 DEFAULT_TOPOLOGIES = ("tp2", "tp2-sp", "dp2", "pp2", "cp2", "ep2", "tp2-etp2-sp")
@@ -112,7 +111,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "topologies; MoE with ep and etp)",
     )
     parser.add_argument("--tp-invariant", action="store_true", help="deprecated name of --layout-invariant")
-    parser.add_argument("--timeout", default="600", help="seconds per run before a world is killed (default 600)")
+    parser.add_argument(
+        "--timeout", default="600",
+        help=f"seconds per run before a world is killed (default 600, at most {checks.MAX_TIMEOUT_S})",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="show the ranks' Megatron/torch warnings")
     parser.set_defaults(run=run)
 
@@ -149,7 +151,7 @@ def check_arguments(args: argparse.Namespace) -> tuple:
         model=args.model,
         layout_invariant=(layout := args.layout_invariant or _deprecated_tp_invariant(args)),
         global_batch_size=LAYOUT_GLOBAL_BATCH if layout else OracleSettings.global_batch_size,
-        timeout_s=_seconds("--timeout", args.timeout),
+        timeout_s=checks.seconds("--timeout", args.timeout),
     )
     default = LAYOUT_TOPOLOGIES if settings.layout_invariant else DEFAULT_TOPOLOGIES
     topologies = _select(args.topologies, "--topologies", {"default": default, "all": ALL_TOPOLOGIES})
@@ -168,7 +170,7 @@ def check_arguments(args: argparse.Namespace) -> tuple:
         check_topology(topology, settings)
     for option in ("--json", "--plot"):
         if getattr(args, option[2:]):
-            _check_writable(option, getattr(args, option[2:]))
+            checks.check_writable(option, getattr(args, option[2:]))
     if args.plot and not args.plot.lower().endswith(".png"):
         raise OracleError(f"--plot {args.plot}: the heat map is a PNG; give a path ending in .png")
     if args.plot:
@@ -209,36 +211,3 @@ def _integer(option: str, text: str, low: int, high: int) -> int:
     if value is None or not low <= value <= high:
         raise OracleError(f"{option} must be an integer from {low} to {high}, got {text!r}")
     return value
-
-
-def _seconds(option: str, text: str) -> float:
-    from megatron_lora_patch.proof.oracle.harness import OracleError
-
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (0 < value < math.inf):
-        raise OracleError(f"{option} must be a positive number of seconds, got {text!r}")
-    return value
-
-
-def _check_writable(option: str, path: str) -> None:
-    """The report can be written at `path`: its directory exists and takes a file (tried, not guessed)."""
-    from megatron_lora_patch.proof.oracle.harness import OracleError
-
-    directory = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise OracleError(
-            f"{option} {path}: is a directory; give a file path such as {os.path.join(path, 'oracle.out')}"
-        )
-    if not os.path.isdir(directory):
-        problem = "is not a directory" if os.path.exists(directory) else "does not exist"
-        raise OracleError(f"{option} {path}: {directory} {problem}; create the directory or choose another path")
-    try:
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as error:
-        raise OracleError(
-            f"{option} {path}: cannot write in {directory} ({error.strerror}); choose another path"
-        ) from None

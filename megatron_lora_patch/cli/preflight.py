@@ -7,6 +7,7 @@ import argparse
 import sys
 import warnings
 
+from megatron_lora_patch.cli import checks
 from megatron_lora_patch.runtime.errors import UsageError, one_line
 
 DEFAULT_MICROBATCHES = 2
@@ -51,7 +52,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-memory-gib", type=float, help="memory the world-1 reference may use (default: available RAM)"
     )
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run before a world is killed")
+    parser.add_argument(
+        "--timeout", default="600", help=f"seconds per run before a world is killed (at most {checks.MAX_TIMEOUT_S})"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="show the ranks' Megatron/torch warnings")
     parser.add_argument("megatron_args", nargs=argparse.REMAINDER, help="-- then your pretrain_gpt.py arguments")
     parser.set_defaults(run=run)
@@ -63,6 +66,13 @@ def _help_text() -> str:
     return preflight.__doc__
 
 
+def _check_options(options: argparse.Namespace) -> None:
+    """The options `make_plan` does not read: --timeout as seconds in range, a writable --json path."""
+    options.timeout = checks.seconds("--timeout", options.timeout)
+    if options.json is not None:
+        checks.check_writable("--json", options.json)
+
+
 def run(options: argparse.Namespace) -> int:
     from megatron_lora_patch.proof.oracle import preflight, preflight_run
 
@@ -70,6 +80,7 @@ def run(options: argparse.Namespace) -> int:
         if not options.verbose:  # Megatron's import-time notices (no Apex / TE) are noise in this process too
             warnings.simplefilter("ignore")
         try:
+            _check_options(options)  # before the runs: minutes of training must not end on a bad --json path
             plan = preflight.make_plan(options)
         except UsageError as error:
             print(one_line(error), file=sys.stderr)

@@ -73,11 +73,13 @@ def _status(args: argparse.Namespace) -> int:
             "installed_plugins": installed,
             "startup_hook": hook,
             "patches": [{**row.as_dict(), "fresh_process": state} for row, state in zip(rows, fresh)],
+            "megatron_core": megatron_core_source(),
             "error": str(error) if error else None,
         }
         print(json.dumps(document, indent=2))
     else:
         print(format_table(rows, fresh, hook))
+        print(megatron_core_line(megatron_core_source()))
     if error is not None:
         print(errors.one_line(error), file=sys.stderr)
     undelivered = any(row.state in ("failed", "untested") for row in rows) or (env_plugins and not hook["installed"])
@@ -126,3 +128,41 @@ def format_table(rows: Sequence["object"], fresh: Sequence[str], hook: dict) -> 
     ran = "ran in this process" if hook["ran_here"] else "did not run in this process"
     lines.append(f"start-up hook: {where} ({ran})")
     return "\n".join(lines)
+
+
+def megatron_core_source() -> dict:
+    """Which Megatron-Core this process imports (version and directory: a source checkout on the path wins over
+    the installed wheel), the wheel's version, and the one a script started in the working directory would
+    import when that directory holds another (`python pretrain_gpt.py` in a Megatron-LM checkout)."""
+    import importlib.metadata
+    import os
+
+    from megatron_lora_patch.runtime import versions
+
+    resolved = versions.resolved_megatron_core()
+    version, path = (str(resolved[0]) if resolved[0] else None, resolved[1]) if resolved else (None, None)
+    try:
+        wheel = importlib.metadata.version(versions.DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        wheel = None
+    here, local = os.path.join(os.getcwd(), "megatron", "core"), None
+    elsewhere = path is None or os.path.realpath(path) != os.path.realpath(here)
+    if elsewhere and os.path.isfile(os.path.join(here, "__init__.py")):
+        found = versions.package_version(os.path.join(here, "package_info.py"))
+        local = {"version": str(found) if found else None, "path": here}
+    return {"version": version, "path": path, "wheel": wheel, "working_directory": local}
+
+
+def megatron_core_line(source: dict) -> str:
+    """`megatron_core_source` for a person: the version and where it comes from, and what differs."""
+    if source["path"] is None:
+        line = "megatron-core: none found on sys.path"
+    else:
+        line = f"megatron-core: {source['version'] or 'unknown version'} imported from {source['path']}"
+        if source["wheel"] is not None and source["wheel"] != source["version"]:
+            line += f" (not the installed megatron-core {source['wheel']} wheel)"
+    local = source["working_directory"]
+    if local is not None:
+        line += (f"; a script started in this directory (such as pretrain_gpt.py) imports megatron-core "
+                 f"{local['version'] or 'of unknown version'} from {local['path']} instead")
+    return line

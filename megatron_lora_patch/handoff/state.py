@@ -13,13 +13,13 @@ docs/handoff.md section 1.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterable, Iterator, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron_lora_patch.handoff import gather
+from megatron_lora_patch.handoff import agreement, gather
 from megatron_lora_patch.lora.checkpoints import checkpoint
-from megatron_lora_patch.lora.exchange import names, peft
+from megatron_lora_patch.lora.exchange import families, names, peft
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,21 +49,37 @@ def _shapes_only(chosen: Dict[gather.Key, list]) -> Dict[gather.Key, torch.Tenso
             for key, pieces in chosen.items()}
 
 
-def stream(chunks: Iterable[torch.nn.Module], family: str = "llama",
-           dst: int = 0) -> Tuple[dict, Iterator[Tuple[str, Dict[str, torch.Tensor]]]]:
+def stream(chunks: Iterable[torch.nn.Module], family: Optional[str] = None, dst: int = 0,
+           timeout: float = agreement.DEFAULT_TIMEOUT_S) -> Tuple[dict, Iterator[Tuple[str, Dict[str, torch.Tensor]]]]:
     """(`adapter_config` dict, iterator of (unit, PEFT tensors of that unit)): one unit per transformer
     layer, then `modules_to_save`; the tensors are on `dst` (CPU), empty dicts elsewhere.
 
-    Collective: call on every rank and exhaust the iterator on every rank. `dst` holds at most one
-    layer's logical adapter and its PEFT tensors at a time (plus what the caller keeps).
+    Collective: call on every rank with the same `family` and `dst`, and exhaust the iterator on every rank.
+    The ranks agree on that first (`handoff.agreement`): a mismatch, or a rank not calling within `timeout`
+    seconds, is one line on every rank, never a hang. `family` is checked against the model (None: inferred)
+    by the resolver the export uses. `dst` holds at most one layer's logical adapter and its PEFT tensors at a
+    time (plus what the caller keeps).
     """
-    names.names_for(family)
+    config, units, _ = _stream(list(chunks), family, dst, timeout, "stream")
+    return config, units
+
+
+def _check_dst(dst: int) -> None:
     world = gather.world_size()
     if not 0 <= dst < world:
         raise names.PeftFormatError(f"dst={dst} is not a rank of this world of {world}; pass the rank that talks "
-                                   f"to the engine (0 .. {world - 1})")
-    chunks = list(chunks)
+                                    f"to the engine (0 .. {world - 1})")
+
+
+def _stream(chunks: List[torch.nn.Module], family: Optional[str], dst: int, timeout: float,
+            call: str) -> Tuple[dict, Iterator[Tuple[str, Dict[str, torch.Tensor]]], str]:
+    """`stream`'s config and units, and the family resolved for the model."""
+    agreement.agree(call, dst, family, timeout)  # before anything that could fail on one rank only
+    if family is not None:
+        names.names_for(family)
+    _check_dst(dst)
     description = checkpoint.describe(chunks)
+    family = families.resolve(description, family, what="the model")
     local = gather.local_tensors(chunks)
     chosen = gather.plan(local, dst)
     _, config = _to_peft(_shapes_only(chosen), description, family)
@@ -73,16 +89,17 @@ def stream(chunks: Iterable[torch.nn.Module], family: str = "llama",
             logical = gather.collect(keys, chosen, local, dst)
             yield unit, (_to_peft(logical, description, family)[0] if logical else {})
 
-    return config, tensors()
+    return config, tensors(), family
 
 
-def adapter_state(chunks: Iterable[torch.nn.Module], family: str = "llama", dst: int = 0) -> AdapterState:
-    """The PEFT adapter of the live model on rank `dst` (collective: call on every rank; other ranks get
-    the config and no tensors). Equal, byte for byte, to `megatron-lora-patch export --family FAMILY` of
-    a checkpoint the model would save now; load it with `peft.set_peft_model_state_dict`
-    (docs/handoff.md section 1)."""
+def adapter_state(chunks: Iterable[torch.nn.Module], family: Optional[str] = None, dst: int = 0,
+                  timeout: float = agreement.DEFAULT_TIMEOUT_S) -> AdapterState:
+    """The PEFT adapter of the live model on rank `dst` (collective: call on every rank with the same `family`
+    and `dst`; other ranks get the config and no tensors; see `stream` for `family` and `timeout`). Equal, byte
+    for byte, to `megatron-lora-patch export --family FAMILY` of a checkpoint the model would save now; load it
+    with `peft.set_peft_model_state_dict` (docs/handoff.md section 1)."""
     chunks = list(chunks)
-    config, units = stream(chunks, family, dst)
+    config, units, family = _stream(chunks, family, dst, timeout, "adapter_state")
     tensors: Dict[str, torch.Tensor] = {}
     for _, part in units:
         tensors.update(part)

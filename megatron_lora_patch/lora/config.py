@@ -48,11 +48,13 @@ from megatron_lora_patch.lora.config_rules import (
     DEFAULT_TARGETS,
     ENV_PREFIX,
     INIT_CHOICES,
+    NAME_FIELDS,
     PATTERN_FIELDS,
     RULES,
     SP_INPUT_CHOICES,
     TRAINABLE_MODULES,
     LoraConfigError,
+    as_names,
     as_pairs,
     check,
     first_match,
@@ -96,6 +98,8 @@ class LoraConfig:
     def __post_init__(self) -> None:
         for name in PATTERN_FIELDS:  # a mapping, or JSON's list of pairs, as a tuple of pairs in order
             object.__setattr__(self, name, as_pairs(name, getattr(self, name)))
+        for name in NAME_FIELDS:  # any sequence of names (a list, a tuple), or the variable's comma-separated text
+            object.__setattr__(self, name, as_names(name, getattr(self, name), f"LoraConfig.{name}"))
         for field in dataclasses.fields(self):
             check(field.name, getattr(self, field.name), f"LoraConfig.{field.name}")
 

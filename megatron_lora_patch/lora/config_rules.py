@@ -9,7 +9,7 @@ import difflib
 import fnmatch
 import json
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from megatron_lora_patch.runtime.errors import UsageError
 from megatron_lora_patch.runtime.flags import ACCEPTED_BOOLEANS, parse_bool
@@ -21,6 +21,8 @@ INIT_CHOICES = ("kaiming", "gaussian")
 B_INIT_CHOICES = ("zero", "nonzero")
 SP_INPUT_CHOICES = ("keep", "regather")
 PATTERN_FIELDS = ("rank_pattern", "alpha_pattern")
+NAME_FIELDS = ("targets", "exclude", "modules_to_save")  # lists of module names
+BOOLEAN_FIELDS = ("rslora", "separate_projections", "expert_shared_outer")
 #: Canonical names of the modules that may train fully (`modules_to_save`; lora/layers/trained_fully.py says why).
 TRAINABLE_MODULES = ("output_layer", "embedding.word_embeddings")
 
@@ -45,6 +47,14 @@ def as_pairs(name: str, value: Any) -> Any:
         return value
     as_float = name == "alpha_pattern"
     return tuple((key, float(number) if as_float and _number(number) else number) for key, number in items)
+
+
+def as_names(name: str, value: Any, label: str) -> Any:
+    """Module names given as text (the variable's comma-separated form) or as any sequence of strings (a list
+    in code, TOML or JSON), as a tuple; anything else is returned as is, for the field's check to refuse."""
+    if isinstance(value, str):
+        return parse(name, value, label)
+    return tuple(value) if isinstance(value, Sequence) else value
 
 
 def first_match(pattern: tuple, module: str, default: Any) -> Any:
@@ -163,7 +173,10 @@ RULES: dict = {
 
 
 def _fail(name: str, raw: Any, label: str) -> LoraConfigError:
-    return LoraConfigError(f"{label} must be {RULES[name][0]}, got {raw!r}")
+    """The refusal of `raw` for field `name`: what it accepts as text, or (a boolean given as a typed value, in
+    code or a TOML / JSON file, where 1 and "1" differ) true or false."""
+    requirement = "true or false" if name in BOOLEAN_FIELDS and not isinstance(raw, str) else RULES[name][0]
+    return LoraConfigError(f"{label} must be {requirement}, got {raw!r}")
 
 
 def check(name: str, value: Any, label: str) -> None:

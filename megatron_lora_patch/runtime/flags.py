@@ -128,13 +128,22 @@ def current_patch_name(name: str, where: str = "the patch name") -> str:
     return new
 
 
-def _renamed_variable(name: str, environ: Mapping[str, str]) -> Optional[bool]:
-    """The boolean of a renamed patch's old variable, if set (the new variable wins when both are)."""
+def _forced(name: str, environ: Mapping[str, str]) -> Optional[bool]:
+    """The boolean `MEGATRON_LORA_PATCH_<NAME>` sets, or a renamed patch's old variable (None: neither is set).
+    Both set to the same value is fine; to different values is one line (neither silently wins)."""
+    forced = env_bool(patch_variable(name), environ)
     for old, new in RENAMED_PATCHES.items():
-        if new == name and env_bool(patch_variable(old), environ) is not None:
-            current_patch_name(old, patch_variable(old))
-            return env_bool(patch_variable(old), environ)
-    return None
+        former = env_bool(patch_variable(old), environ) if new == name else None
+        if former is None:
+            continue
+        current_patch_name(old, patch_variable(old))
+        if forced is not None and forced != former:
+            raise FlagError(
+                f"{patch_variable(old)} turns {name} {'on' if former else 'off'} but {patch_variable(name)} turns "
+                f"it {'on' if forced else 'off'}; remove one of the two ({patch_variable(old)} is its former name)"
+            )
+        forced = former
+    return forced
 
 
 def _unloaded_plugin(where: str, patch: str, otherwise: str) -> Optional[str]:
@@ -185,8 +194,7 @@ def resolve_enabled(
 
     decisions: dict[str, tuple[bool, str]] = {}
     for name, default in patch_defaults.items():
-        forced = env_bool(patch_variable(name), environ)
-        forced = _renamed_variable(name, environ) if forced is None else forced
+        forced = _forced(name, environ)
         if forced is True and name in disabled:
             raise FlagError(
                 f"{patch_variable(name)} turns {name} on but {DISABLED_VARIABLE} lists it; remove one of the two"

@@ -246,6 +246,12 @@ def read_error(error: BaseException) -> str:
     return f"{type(cause).__name__}: {text}".removesuffix(": ")
 
 
+def unreadable_tensors(directory: str, error: BaseException) -> str:
+    """The one line for a checkpoint whose tensor files cannot be read (truncated or damaged in a copy)."""
+    return (f"{directory} has an unreadable tensor file ({read_error(error)}): it is truncated or damaged; copy the "
+            "checkpoint again from where it was saved")
+
+
 def _unreadable(label: str, directory: str, error: BaseException) -> str:
     """Why `directory`'s common state (the description) cannot be read; a missing legacy `common.pt` by name
     (Megatron-Core < 0.19 keeps the common state there; its own error for that names no file)."""
@@ -266,9 +272,22 @@ def _legacy_format(error: BaseException) -> bool:
     return "iterdir" in text or "FileNotFoundError" in text or "common_state" in text
 
 
+def _common_state(directory: str) -> Any:
+    """The checkpoint's common state. A legacy `common.pt` (Megatron-Core < 0.19 writes one) is a pickle from the
+    user: read here with `torch.load(weights_only=True)` said explicitly (Megatron's reader relies on torch's
+    default, which a TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 or a torch < 2.6 turns off); Megatron-Core 0.19 reads its
+    own format with weights_only=True itself."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+
+    legacy = os.path.join(directory, COMMON_STATE_FNAME)
+    if os.path.isfile(legacy):
+        return torch.load(legacy, map_location="cpu", weights_only=True)
+    return dist_checkpointing.load_common_state_dict(directory)
+
+
 def read_description(directory: str, label: str = "adapter checkpoint") -> Dict[str, Any]:
     """The description saved by `save_adapters`, or a one-line `AdapterCheckpointError` saying what `directory` is."""
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CONFIG_FNAME
 
     fix = "pass the directory save_adapters wrote"
@@ -283,7 +302,7 @@ def read_description(directory: str, label: str = "adapter checkpoint") -> Dict[
             f"{label} {directory} is not a Megatron distributed checkpoint (no {CONFIG_FNAME}); {fix}"
         )
     try:
-        common = dist_checkpointing.load_common_state_dict(directory)
+        common = _common_state(directory)
     except Exception as error:  # a damaged common state fails in several ways
         raise AdapterCheckpointError(_unreadable(label, directory, error)) from None
     except CheckpointException as error:  # a BaseException: torch's reader wraps each rank's error in it
@@ -324,7 +343,10 @@ def load_adapters(chunks: Iterable[torch.nn.Module], directory: str) -> None:
             f"model {'has no' if shared else 'has'} them; set MEGATRON_LORA_EXPERT_SHARED_OUTER={int(shared)}"
         )
     sharded = adapter_only_sharded_state_dict(chunks)
-    loaded = dist_checkpointing.load(sharded, directory)
+    try:
+        loaded = dist_checkpointing.load(sharded, directory)
+    except (CheckpointException, OSError, EOFError) as error:  # a truncated or damaged .distcp file
+        raise AdapterCheckpointError(unreadable_tensors(directory, error)) from None
     # A shared outer expert factor sits under every local expert's name (lora/layers/shared_outer.py).
     parameters = dict(single_model(chunks).named_parameters(remove_duplicate=False))
     with torch.no_grad():

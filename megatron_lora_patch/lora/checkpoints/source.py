@@ -15,6 +15,7 @@ Megatron's loader returns them as full logical tensors, whatever topology saved 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 from typing import Dict, Iterator, Tuple
 
@@ -68,8 +69,26 @@ def _latest_iteration(directory: str) -> str:
             f"--save directory (no {os.path.basename(get_checkpoint_tracker_filename(directory))}); "
             "pass the directory given to --save, one of its iter_NNNNNNN directories, or an adapter checkpoint"
         )
-    iteration, release = read_metadata(get_checkpoint_tracker_filename(directory))
+    iteration, release = _read_tracker(read_metadata, get_checkpoint_tracker_filename(directory))
     return get_checkpoint_name(directory, iteration, release, return_base_dir=True)
+
+
+def _read_tracker(read_metadata, tracker: str) -> Tuple[int, bool]:
+    """Megatron-LM's `read_metadata` of `tracker`, whose refusal of a damaged file is `sys.exit()` (exit status 0)
+    or an assertion: one line here instead, naming the file and what it holds (its own notice is not shown)."""
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # "ERROR: Invalid metadata file ... Exiting"
+            return read_metadata(tracker)
+    except (SystemExit, AssertionError, OSError, UnicodeDecodeError):
+        try:
+            with open(tracker, errors="replace") as handle:
+                held = repr(handle.read(64).strip())
+        except OSError as error:
+            held = f"unreadable: {error.strerror}"
+        raise CheckpointSourceError(
+            f"{tracker} names no checkpoint ({held}; Megatron-LM writes an iteration number or 'release'): pass one "
+            f"of the iter_NNNNNNN directories beside it instead, or write the iteration to resume from into it"
+        ) from None
 
 
 def resolve(directory: str) -> str:
@@ -116,8 +135,5 @@ def adapter_tensors(directory: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
         try:
             loaded = dist_checkpointing.load(wanted, path, validate_access_integrity=False)
         except (CheckpointException, OSError, EOFError) as error:  # a truncated or damaged .distcp file
-            raise CheckpointSourceError(
-                f"{path} has an unreadable tensor file ({checkpoint.read_error(error)}): it is truncated or "
-                "damaged; copy the checkpoint again from where it was saved"
-            ) from None
+            raise CheckpointSourceError(checkpoint.unreadable_tensors(path, error)) from None
     return description, {key: loaded[key] for key in wanted}

@@ -29,8 +29,15 @@ def _nearest_existing(path: str) -> str:
     return path
 
 
+def followed(path: str) -> str:
+    """`path`, or the target of the symbolic link it is (existing or not): the output replaces the directory the
+    link names and the link stays (renaming onto the link itself fails only after the whole output is written)."""
+    return os.path.realpath(path) if os.path.islink(path) else path
+
+
 def check_target(path: str, label: str, overwrite_hint: str, overwrite: bool) -> None:
-    """Refuse `path` (named `label` in messages) if it is a file, non-empty without `overwrite`, or not creatable."""
+    """Refuse `path` (named `label` in messages) if it is a file, non-empty without `overwrite`, or not creatable;
+    a symbolic link is checked as the directory it names."""
     if not path:
         raise OutputDirectoryError(f"{label} is empty; name an output directory")
     if os.path.exists(path) and not os.path.isdir(path):
@@ -39,7 +46,7 @@ def check_target(path: str, label: str, overwrite_hint: str, overwrite: bool) ->
         raise OutputDirectoryError(
             f"{label} {path} is not empty; {overwrite_hint} to replace it, or name a new directory"
         )
-    parent = os.path.dirname(os.path.abspath(path))
+    parent = os.path.dirname(os.path.abspath(followed(path)))
     existing = _nearest_existing(parent)
     if not os.path.isdir(existing):
         raise OutputDirectoryError(f"{label} {path} cannot be created: {existing} is a file, not a directory")
@@ -60,7 +67,7 @@ def make_staging(path: str, label: str) -> str:
     `mkdtemp` makes it 0700 whatever the umask; it becomes the published output, so it gets the
     mode `os.makedirs` would give it (0777 less the umask), readable like any `save_pretrained` output.
     """
-    parent, name = os.path.split(os.path.abspath(path))
+    parent, name = os.path.split(os.path.abspath(followed(path)))
     try:
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(dir=parent, prefix=f".{name}.partial-")
@@ -71,20 +78,26 @@ def make_staging(path: str, label: str) -> str:
 
 
 def publish(staging: str, path: str, label: str) -> None:
-    """Move the finished `staging` directory to `path`; an existing `path` is removed only once replaced."""
-    parent, name = os.path.split(os.path.abspath(path))
+    """Move the finished `staging` directory to `path` (a link: to the directory it names); an existing `path` is
+    removed only once replaced, and put back if the new output cannot take its place."""
+    target = followed(path)
+    parent, name = os.path.split(os.path.abspath(target))
+    replaced = None
     try:
-        if not os.path.isdir(path):
-            os.rename(staging, path)
-            return
-        replaced = tempfile.mkdtemp(dir=parent, prefix=f".{name}.replaced-")
-        os.rename(path, replaced)  # onto the empty directory just made (POSIX rename replaces it)
-        os.rename(staging, path)
+        if os.path.isdir(target):
+            replaced = tempfile.mkdtemp(dir=parent, prefix=f".{name}.replaced-")
+            os.rename(target, replaced)  # onto the empty directory just made (POSIX rename replaces it)
+        os.rename(staging, target)
     except OSError as error:
+        if replaced is not None and os.path.exists(target):
+            os.rmdir(replaced)  # the old output never moved: only the empty placeholder goes
+        elif replaced is not None:
+            os.rename(replaced, target)  # the old output back where it was
         raise OutputDirectoryError(
             f"{label} {path} could not be put in place ({error.strerror}); the output is in {staging}"
         ) from None
-    shutil.rmtree(replaced)
+    if replaced is not None:
+        shutil.rmtree(replaced)
 
 
 def discard(staging: str) -> None:

@@ -109,9 +109,11 @@ def _inferred(description: dict, label: str) -> str:
     return "qwen3_moe" if qk_layernorm else "mixtral"
 
 
-def resolve(description: dict, family: Optional[str], label: str = "family") -> str:
-    """The family to export as: `family` checked against the recorded model, or inferred when None; a family
-    that cannot represent it is a one-line `PeftFormatError`, fields the description lacks one warning."""
+def resolve(description: dict, family: Optional[str], label: str = "family",
+            what: str = "the checkpoint's model") -> str:
+    """The family to write `what` as: `family` checked against the recorded model, or inferred when None; a family
+    that cannot represent it is a one-line `PeftFormatError`, fields the description lacks one warning. The one
+    resolver of the export and the hand-off (`handoff.adapter_state`), so both accept the same families."""
     if family is not None:
         names_for(family, label)
     name = family if family is not None else _inferred(description, label)
@@ -121,7 +123,7 @@ def resolve(description: dict, family: Optional[str], label: str = "family") -> 
         fix = f"pass {label} {' or '.join(fitting)}" if fitting else (
             f"no family ({', '.join(FAMILIES)}) can hold it: export needs a Llama-style model "
             "(rope, RMSNorm, gated MLP), or merge the adapter into the Megatron weights instead")
-        raise PeftFormatError(f"{label} {name} cannot represent the checkpoint's model: {', '.join(found)}; {fix}")
+        raise PeftFormatError(f"{label} {name} cannot represent {what}: {', '.join(found)}; {fix}")
     assumed = {field: value for field, value in _needs(FAMILIES[name]).items() if field not in description}
     if assumed:
         logger.warning(

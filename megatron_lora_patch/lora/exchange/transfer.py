@@ -65,7 +65,10 @@ class ArgumentNames:
 
 
 def _check_apart(checkpoint_dir: str, out_dir: str, names: ArgumentNames) -> None:
-    """The output must not be, contain or sit inside the checkpoint (replacing it would destroy the input)."""
+    """The output must not be, contain or sit inside the checkpoint (replacing it would destroy the input).
+    An empty `out_dir` is left to `staging.check_target` to name (its real path would be the working directory)."""
+    if not out_dir:
+        return
     source, target = os.path.realpath(checkpoint_dir), os.path.realpath(out_dir)
     if os.path.commonpath([source, target]) in (source, target):
         raise checkpoint.AdapterCheckpointError(
@@ -95,8 +98,24 @@ def export_peft(
     with staging.staged(out_dir, names.out) as partial:
         description, logical, full = logical_from_checkpoint(checkpoint_dir)
         tensors, config = peft.to_peft(logical, description, family, full)
-        files.write(partial, tensors, config, family)
+        _write(partial, tensors, config, family, out_dir, names)
     return tensors
+
+
+def _write(partial: str, tensors: Dict[str, torch.Tensor], config: dict, family: str, out_dir: str,
+           names: ArgumentNames) -> None:
+    """`files.write` into the staging directory; a failed write (a full disk) is one line (`staged` then removes
+    the staging directory, so nothing partial is left and an existing `out_dir` is untouched)."""
+    from safetensors import SafetensorError
+
+    try:
+        files.write(partial, tensors, config, family)
+    except (OSError, SafetensorError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip()
+        raise staging.OutputDirectoryError(
+            f"{names.out} {out_dir} could not be written ({reason.splitlines()[0] if reason else type(error).__name__}"
+            "); nothing was left behind: free space on its filesystem (or name another directory) and export again"
+        ) from None
 
 
 def _all_adapter_names(local: Iterable[str]) -> set:
