@@ -25,7 +25,7 @@ LAYERS = {
     "lora.layers": 2, "lora.training": 2,
     "lora.checkpoints": 3, "save_adapters": 3, "load_adapters": 3,
     "lora.exchange": 4, "export_peft": 4, "import_peft": 4,
-    "lora": 4, "tp_invariant": 5, "layout_invariant": 5, "handoff": 5,
+    "lora": 4, "layout_invariant": 5, "handoff": 5,
     "integrations": 6,
     "patches": 7, "plugins": 7,
     "proof.testbed": 8, "proof.oracle": 9, "proof": 9,

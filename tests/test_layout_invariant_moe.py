@@ -107,7 +107,7 @@ def _whole_input_grad(tensor, group):
 
 
 def _install_whole_input_grad(patcher) -> None:
-    from megatron_lora_patch.tp_invariant import linear
+    from megatron_lora_patch.layout_invariant.tensor_parallel import linear
 
     patcher.replace(linear, "share_grad", _whole_input_grad)
 

@@ -52,7 +52,7 @@ def _recording(name: str, original):
 
 def _gather_a_weight(original):
     """Negative control: the row layer all-gathers its full base weight first (as the former cache did)."""
-    from megatron_lora_patch.tp_invariant.collectives import all_gather_logical
+    from megatron_lora_patch.layout_invariant.tensor_parallel.collectives import all_gather_logical
 
     def row_linear(x, weight, lora, group):
         all_gather_logical(weight.detach(), 1, 1, group)
@@ -62,11 +62,11 @@ def _gather_a_weight(original):
 
 
 def _train(rank, world_size, topology_text, gather_weight):
+    from megatron_lora_patch.layout_invariant.tensor_parallel import segmented
     from megatron_lora_patch.lora.config import LoraConfig, set_active
     from megatron_lora_patch.proof.testbed.driver import TrainSettings, train_steps
     from megatron_lora_patch.proof.testbed.patches import apply_only
     from megatron_lora_patch.proof.testbed.topology import Topology
-    from megatron_lora_patch.tp_invariant import segmented
 
     apply_only(PATCHES, strict=True)
     set_active(LoraConfig(rank=4, alpha=8.0, b_init="nonzero"))

@@ -29,9 +29,9 @@ def _tensor() -> torch.Tensor:
 def _world(rank: int, world_size: int) -> dict:
     import torch.distributed
 
+    from megatron_lora_patch.layout_invariant.tensor_parallel.collectives import share_grad
+    from megatron_lora_patch.layout_invariant.tensor_parallel.segmented import row_sums
     from megatron_lora_patch.proof.testbed.rank import gloo_process_group
-    from megatron_lora_patch.tp_invariant.collectives import share_grad
-    from megatron_lora_patch.tp_invariant.segmented import row_sums
 
     with gloo_process_group():
         group = torch.distributed.group.WORLD

@@ -1,4 +1,4 @@
-"""`tp_invariant.segmented`: the column / row linears on local shards, bitwise equal across TP.
+"""`layout_invariant.tensor_parallel.segmented`: the column / row linears on local shards, bitwise equal across TP.
 
 On gloo worlds of 1, 2 and 4 ranks, each rank gets Megatron's shards of the same float32 tensors
 (column: W, b, B on out, stride 1 and SwiGLU's 2; row: W, A and the input on in) and runs forward +
@@ -54,7 +54,7 @@ def _local(tensor, split, rank, world):
 
 
 def _rank_case(case, rank: int, world: int, group) -> dict:
-    from megatron_lora_patch.tp_invariant import segmented
+    from megatron_lora_patch.layout_invariant.tensor_parallel import segmented
 
     tensors, dims = _tensors(case), _split_dims(case)
     leaves = {name: _local(tensors[name], dims[name], rank, world).float().requires_grad_()

@@ -1,4 +1,5 @@
-"""`tp_invariant.shares`: the fixed partition of a TP-sharded dimension and the canonical segment tree.
+"""`layout_invariant.tensor_parallel.shares`: the fixed partition of a TP-sharded dimension and the canonical
+segment tree.
 
 Bitwise invariance across TP rests on three properties checked here for TP 1, 2, 4, 8 and
 SwiGLU's stride 2, without processes:
@@ -21,9 +22,15 @@ import math
 import pytest
 import torch
 
+from megatron_lora_patch.layout_invariant.tensor_parallel import TPInvariantUnsupported
+from megatron_lora_patch.layout_invariant.tensor_parallel.shares import (
+    CHUNK_COLUMNS,
+    SEGMENTS,
+    TreeSum,
+    local_chunks,
+    local_segments,
+)
 from megatron_lora_patch.lora.adapters.layouts import shard
-from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
-from megatron_lora_patch.tp_invariant.shares import CHUNK_COLUMNS, SEGMENTS, TreeSum, local_chunks, local_segments
 
 WIDTHS = [(64, 1), (128, 2), (1024, 1), (4096, 2), (5120, 1), (50304, 1), (24, 1), (10240, 1)]
 WORLDS = [1, 2, 4, 8]

@@ -1,5 +1,5 @@
 """The hooks the `layout_invariant` patch installs (docs/architecture.md section 7): the per-layer
-TP-invariant math (`tp_invariant.linear`, `loss`, `grad_norm`) and, for DP / PP, Megatron DDP's grad
+TP-invariant math (`layout_invariant.tensor_parallel.linear`, `loss`, `grad_norm`) and, for DP / PP, Megatron DDP's grad
 accumulation and DP reduction in the canonical tree plus the microbatch numbering in the schedules
 (`layout_invariant.lanes`), and MoE experts on fixed token chunks (`layout_invariant.experts`).
 """
@@ -13,9 +13,9 @@ CROSS_ENTROPY_MODULE = "megatron.core.tensor_parallel.cross_entropy"
 
 def patch_layers(patcher, layers) -> None:
     """Column / row parallel linears on their local shards, each sum over a sharded dimension in one canonical tree."""
+    from megatron_lora_patch.layout_invariant.tensor_parallel.linear import column_forward_impl, row_forward_impl
     from megatron_lora_patch.lora.training import grad_sync
     from megatron_lora_patch.runtime.registry import SkipPatch
-    from megatron_lora_patch.tp_invariant.linear import column_forward_impl, row_forward_impl
 
     for layer_class in (layers.ColumnParallelLinear, layers.RowParallelLinear):
         if "_forward_impl" not in vars(layer_class):
@@ -32,7 +32,7 @@ def patch_layers(patcher, layers) -> None:
 
 
 def _mark_gated_fc1(wrapped, instance, args, kwargs):
-    from megatron_lora_patch.tp_invariant.linear import OUT_STRIDE_ATTRIBUTE
+    from megatron_lora_patch.layout_invariant.tensor_parallel.linear import OUT_STRIDE_ATTRIBUTE
 
     wrapped(*args, **kwargs)
     if instance.config.gated_linear_unit and hasattr(instance.linear_fc1, "tp_group"):
@@ -46,7 +46,7 @@ def patch_mlp(patcher, mlp) -> None:
 
 def patch_cross_entropy(patcher, tensor_parallel) -> None:
     """Wrap the function in its module and the package re-export with it."""
-    from megatron_lora_patch.tp_invariant.loss import vocab_parallel_cross_entropy
+    from megatron_lora_patch.layout_invariant.tensor_parallel.loss import vocab_parallel_cross_entropy
 
     patcher.wrap(sys.modules[CROSS_ENTROPY_MODULE], "vocab_parallel_cross_entropy", vocab_parallel_cross_entropy,
                  reexported_by=(tensor_parallel.__name__,))
@@ -54,14 +54,14 @@ def patch_cross_entropy(patcher, tensor_parallel) -> None:
 
 def patch_language_module(patcher, language_module) -> None:
     """The fused cross entropy on gathered logits too."""
-    from megatron_lora_patch.tp_invariant.loss import fused_vocab_parallel_cross_entropy
+    from megatron_lora_patch.layout_invariant.tensor_parallel.loss import fused_vocab_parallel_cross_entropy
 
     patcher.wrap(language_module, "fused_vocab_parallel_cross_entropy", fused_vocab_parallel_cross_entropy)
 
 
 def patch_optimizer(patcher, optimizer) -> None:
     """The grad norm (and clipping) of the logical grads in float64."""
-    from megatron_lora_patch.tp_invariant import grad_norm
+    from megatron_lora_patch.layout_invariant.tensor_parallel import grad_norm
 
     patcher.wrap(optimizer.MegatronOptimizer, "get_grad_norm", grad_norm.get_grad_norm)
     patcher.wrap(optimizer.MegatronOptimizer, "clip_grad_norm", grad_norm.clip_grad_norm)

@@ -1,7 +1,8 @@
 """Layout-invariant mode: the same bits on any TP x DP x PP layout (docs/architecture.md section 7).
 
-Grown from the TP-invariant mode (`megatron_lora_patch.tp_invariant`, which keeps the per-layer
-math); this package adds what data, pipeline and expert parallelism change:
+One mode with its library: `tensor_parallel` holds the per-layer math that makes tensor parallelism
+bit-exact (the TP-invariant mode it grew from); the modules beside it add what data, pipeline and expert
+parallelism change:
 - `tree`: the canonical reduction tree over global microbatches (lanes, subtree property);
 - `lanes` (hooks) and `buffer_lanes`: per-microbatch adapter grads summed into lanes instead of
   Megatron's running `main_grad`, and the DP all-gather of lane partials that replaces DDP's all-reduce;
@@ -12,7 +13,7 @@ math); this package adds what data, pipeline and expert parallelism change:
 - (`integrations.layout_invariant` holds what the `layout_invariant` patch installs on Megatron-Core.)
 """
 
-from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
+from megatron_lora_patch.layout_invariant.tensor_parallel import TPInvariantUnsupported
 
 
 class LayoutInvariantUnsupported(TPInvariantUnsupported):

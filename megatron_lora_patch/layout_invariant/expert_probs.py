@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed
 
-from megatron_lora_patch.tp_invariant.segmented import row_sums
+from megatron_lora_patch.layout_invariant.tensor_parallel.segmented import row_sums
 
 
 class _ScaleRows(torch.autograd.Function):

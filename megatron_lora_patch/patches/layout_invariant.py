@@ -8,13 +8,13 @@ before training, with `megatron_lora_patch.apply(..., enable={"layout_invariant"
 `MEGATRON_LORA_PATCH_LAYOUT_INVARIANT=1` (the old name `tp_invariant` still works, with a
 deprecation warning); it changes world size 1 too (same code path).
 
-What it changes (the hooks are `megatron_lora_patch.integrations.layout_invariant`;
-`megatron_lora_patch.tp_invariant` holds the per-layer math, `megatron_lora_patch.layout_invariant` the DP / PP part):
+What it changes (the hooks are `megatron_lora_patch.integrations.layout_invariant`; the mode's library is
+`megatron_lora_patch.layout_invariant`, its `tensor_parallel` subpackage the per-layer math):
 - `ColumnParallelLinear._forward_impl` / `RowParallelLinear._forward_impl`: base + LoRA on the
   local shards in fixed-shape chunks, every sum over a sharded dimension in one canonical segment
   tree finished over TP by an all-gather of activation-sized partials; no rank holds a full base
-  weight (`tp_invariant.linear`, `segmented`, `shares`); replaces the `lora_linear` adapter call
-  inside those layers while on. `MLP.__init__` marks a gated fc1's stride.
+  weight (`layout_invariant.tensor_parallel.linear`, `segmented`, `shares`); replaces the `lora_linear`
+  adapter call inside those layers while on. `MLP.__init__` marks a gated fc1's stride.
 - `tensor_parallel.vocab_parallel_cross_entropy` (and its re-export) and the language module's
   `fused_vocab_parallel_cross_entropy`: one reduction over the whole vocabulary.
 - `MegatronOptimizer.get_grad_norm` / `clip_grad_norm`, `ChainedOptimizer.get_grad_norm`:

@@ -1,12 +1,12 @@
 """The collectives of the TP-invariant mode (docs/architecture.md section 7).
 
-- `tree_all_gather(partials, group)`: finishes the canonical segment tree (`tp_invariant.shares`)
+- `tree_all_gather(partials, group)`: finishes the canonical segment tree (`layout_invariant.tensor_parallel.shares`)
   over TP: every rank holds its subtree's partial sums (activation-sized: a row layer's output
   and LoRA hidden, a column layer's input grad and LoRA hidden grad); ONE all-gather of them
   (flattened together) and the tree over the ranks' partials in rank order gives every rank the
   TP = 1 sums, bit for bit. It replaces a reduce, whose order would depend on the TP degree.
 - `gather_logical(t, dim, stride, group)`: forward all-gathers the shards of an activation and
-  lays them out as the world-size-1 tensor (the vocab-parallel logits, `tp_invariant.loss`);
+  lays them out as the world-size-1 tensor (the vocab-parallel logits, `layout_invariant.tensor_parallel.loss`);
   backward keeps this rank's slice of the (complete) gradient. No reduction: summing the
   identical copies would multiply the grad by the TP size.
 - `all_gather_logical(t, dim, stride, group)`: the plain gather.
@@ -27,8 +27,8 @@ from typing import Any, List
 import torch
 import torch.distributed
 
+from megatron_lora_patch.layout_invariant.tensor_parallel.shares import TreeSum
 from megatron_lora_patch.lora.adapters.layouts import shard, unshard
-from megatron_lora_patch.tp_invariant.shares import TreeSum
 
 
 def _size_and_rank(group: Any) -> tuple:

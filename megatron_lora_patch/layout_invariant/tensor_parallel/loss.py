@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
-from megatron_lora_patch.tp_invariant.collectives import gather_logical
+from megatron_lora_patch.layout_invariant.tensor_parallel import TPInvariantUnsupported
+from megatron_lora_patch.layout_invariant.tensor_parallel.collectives import gather_logical
 
 
 class _FullVocabCrossEntropy(torch.autograd.Function):

@@ -3,7 +3,7 @@
 Installed on `ColumnParallelLinear._forward_impl` / `RowParallelLinear._forward_impl`
 (a method from Megatron-Core 0.14): the layer's own `forward` still decides the input
 mapping, `gather_output`, the bias and the row reduction; only the matmul changes
-(`tp_invariant.segmented`; docs/architecture.md section 7).
+(`layout_invariant.tensor_parallel.segmented`; docs/architecture.md section 7).
 
 - column: the input (sequence-gathered under SP; its backward then keeps the local slice,
   since the input grad is complete on every rank; without SP no dgrad all-reduce runs, for
@@ -27,9 +27,9 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from megatron_lora_patch.layout_invariant.tensor_parallel import TPInvariantUnsupported, segmented
+from megatron_lora_patch.layout_invariant.tensor_parallel.collectives import share_grad
 from megatron_lora_patch.lora.layers.linear import adapter_of
-from megatron_lora_patch.tp_invariant import TPInvariantUnsupported, segmented
-from megatron_lora_patch.tp_invariant.collectives import share_grad
 
 #: Attribute a patch sets on a column layer whose shards interleave two halves (SwiGLU fc1)
 #: when the weight's own `partition_stride` does not say so.

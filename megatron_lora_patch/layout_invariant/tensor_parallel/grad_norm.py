@@ -33,10 +33,10 @@ from typing import Any, Dict, Iterable, List
 
 import torch
 
+from megatron_lora_patch.layout_invariant.tensor_parallel import TPInvariantUnsupported
 from megatron_lora_patch.lora.adapters.layouts import unshard
 from megatron_lora_patch.lora.adapters.metadata import adapter_info
 from megatron_lora_patch.runtime import registry
-from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
 
 log = logging.getLogger(__name__)
 

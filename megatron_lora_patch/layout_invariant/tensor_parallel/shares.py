@@ -25,7 +25,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megatron_lora_patch.tp_invariant import TPInvariantUnsupported
+from megatron_lora_patch.layout_invariant.tensor_parallel import TPInvariantUnsupported
 
 #: Segments per stride part: Megatron's shard boundaries at TP 1, 2, 4 and 8 fall on segment edges.
 SEGMENTS = 8

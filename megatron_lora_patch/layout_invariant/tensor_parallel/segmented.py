@@ -1,7 +1,7 @@
 """Column- and row-parallel linears (base + LoRA) on the LOCAL weight shards, every sum over a
 sharded dimension in the canonical segment order (docs/architecture.md section 7).
 
-Both work on 2-D tensors; `tp_invariant.shares` fixes the chunks (GEMM shapes) and the tree.
+Both work on 2-D tensors; `layout_invariant.tensor_parallel.shares` fixes the chunks (GEMM shapes) and the tree.
 
 - column (`W [out, in]`, bias and `B [out, r]` sharded on out, `A [r, in]` replicated, `x` the
   full input): forward computes this rank's output chunks `x W_c^T + b_c + s h B_c^T` with
@@ -33,8 +33,8 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed
 
-from megatron_lora_patch.tp_invariant.collectives import column_share, tree_all_gather
-from megatron_lora_patch.tp_invariant.shares import TreeSum, local_chunks, local_segments
+from megatron_lora_patch.layout_invariant.tensor_parallel.collectives import column_share, tree_all_gather
+from megatron_lora_patch.layout_invariant.tensor_parallel.shares import TreeSum, local_chunks, local_segments
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
