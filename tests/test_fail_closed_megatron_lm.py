@@ -125,22 +125,21 @@ def test_rerunning_the_finetune_command_stops_and_leaves_its_checkpoint_as_it_wa
     assert _tree(lora) == before  # the same files, byte for byte, never rewritten, and nothing new
 
 
+def _resume(runs: pathlib.Path, base: pathlib.Path):
+    """Resume the fine-tune (iteration 4 of 4: no step is left) naming `base` as its base."""
+    return one_rank(["--pretrained-checkpoint", str(base), "--load", str(runs / "lora")], ENV, runs)
+
+
 def test_a_mistyped_pretrained_checkpoint_stops_the_resume(runs):
     wrong = runs / "bsae"
-    done = one_rank(["--pretrained-checkpoint", str(wrong), "--load", str(runs / "lora")], ENV, runs)
-    assert_stops_before_training(done, f"--pretrained-checkpoint {wrong} does not exist; {FIX}")
+    assert_stops_before_training(_resume(runs, wrong), f"--pretrained-checkpoint {wrong} does not exist; {FIX}")
 
 
 def test_another_base_than_the_recorded_one_stops_the_resume_naming_both(runs):
-    copy = runs / "base-copy"
+    copy, recorded = runs / "base-copy", runs / "base" / "iter_0000004"
     shutil.copytree(runs / "base", copy)
-    try:
-        done = one_rank(["--pretrained-checkpoint", str(copy), "--load", str(runs / "lora")], ENV, runs)
-    finally:
-        shutil.rmtree(copy)
-    recorded = runs / "base" / "iter_0000004"
     assert_stops_before_training(
-        done,
+        _resume(runs, copy),
         f"--pretrained-checkpoint {copy} ({copy / 'iter_0000004'}) is not the base {runs / 'lora' / 'iter_0000004'} "
         f"was trained on ({recorded}, recorded in the checkpoint); pass --pretrained-checkpoint {recorded} or "
         "leave it out",
@@ -148,13 +147,10 @@ def test_another_base_than_the_recorded_one_stops_the_resume_naming_both(runs):
 
 
 def test_the_recorded_base_spelled_another_way_resumes(runs):
-    """A symlink to the recorded base is the same checkpoint: the run resumes (at iteration 4 of 4: no step)."""
+    """A symlink to the recorded base is the same checkpoint: the run loads the base through it."""
     link = runs / "base-link"
     os.symlink(runs / "base", link)
-    try:
-        done = one_rank(["--pretrained-checkpoint", str(link), "--load", str(runs / "lora")], ENV, runs)
-    finally:
-        link.unlink()
+    done = _resume(runs, link)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"its 9 frozen base tensors load from {link / 'iter_0000004'}" in done.stdout + done.stderr
 

@@ -155,7 +155,7 @@ def _missing_base_error(directory: str, count: int, wanted: Optional[str]) -> Ba
     )
 
 
-def check_shapes(slots: List[Tuple[Tuple, Any]], held: Dict[str, Any], directory: str) -> None:
+def _check_shapes(slots: List[Tuple[Tuple, Any]], held: Dict[str, Any], directory: str) -> None:
     """Raise one line when `directory` (its tensor metadata `held`) holds a tensor of `slots` in another global
     shape than this model's (another --hidden-size, --num-layers, ...): Megatron's loader would fail deep in
     torch.distributed.checkpoint. Factories (SwiGLU fc1) are left out: fc2 beside them has the same sizes."""
@@ -187,7 +187,7 @@ def _check_base(slots: List[Tuple[Tuple, Any]], base: str, directory: str) -> No
             f"the base {base} of {directory} lacks {absent[0]} ({len(absent)} tensors); it is not the base the "
             f"adapters were trained on; {BASE_FIX}"
         )
-    check_shapes(slots, held, base)
+    _check_shapes(slots, held, base)
 
 
 def _read_base(wrapped: Any, slots: List[Tuple[Tuple, Any]], base: str) -> Dict[Tuple, Any]:
@@ -210,7 +210,7 @@ def load_with_base(wrapped: Any, instance: Any, args: tuple, kwargs: dict, load:
         return load(wrapped, instance, args, kwargs)
     held = dist_checkpointing.load_tensors_metadata(directory)
     missing = [(path, entry) for path, entry in slots if entry.key not in held]
-    check_shapes(slots, held, directory)
+    _check_shapes(slots, held, directory)
     if not missing:
         result = load(wrapped, instance, args, kwargs)
         LOADED_BASE.append(os.path.abspath(directory))
