@@ -117,6 +117,9 @@ def test_an_older_moe_checkpoint_asks_for_the_family():
 
 
 def test_every_family_has_names_and_rules():
+    from megatron_lora_patch.cli.export import FAMILY_NAMES
+
     assert families.FAMILIES.keys() == NAME_TABLE.keys()
+    assert list(families.FAMILIES) == list(FAMILY_NAMES)  # what `export --help` lists
     assert all(not families.mismatches({**LLAMA, "qk_layernorm": f.qk_layernorm, "num_experts": 4 * f.experts}, name)
                for name, f in families.FAMILIES.items())

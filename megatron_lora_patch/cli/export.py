@@ -6,6 +6,10 @@ import argparse
 
 from megatron_lora_patch.cli import quiet
 
+#: The families `lora/exchange/families.py` FAMILIES holds, in its order, written here so that `--help` does not
+#: import torch; tests/test_export_families.py checks that the two lists are the same.
+FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
+
 
 def add_parser(commands) -> None:
     """Register the `export` subcommand on the CLI's subparsers."""
@@ -27,9 +31,9 @@ def add_parser(commands) -> None:
     export.add_argument(
         "--family",
         default=None,
-        help="HF model family: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral (MoE experts); default: inferred "
-        "from the checkpoint (qwen3 / qwen3_moe with q / k layernorm, else llama / mixtral); refused, naming the "
-        "mismatch, when the family cannot represent the model",
+        help=f"HF model family: {', '.join(FAMILY_NAMES)} (the last three: MoE experts; qwen2_moe: shared experts "
+        "too); default: inferred from the checkpoint (qwen3 / qwen3_moe with q / k layernorm, else llama / "
+        "mixtral); refused, naming the mismatch, when the family cannot represent the model",
     )
     export.add_argument("--force", action="store_true", help="replace a non-empty --out")
     quiet.add_verbose(export)
