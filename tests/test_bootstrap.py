@@ -220,7 +220,8 @@ def test_status_table_and_module_entry_point(installed_python):
     assert lines[shout + 1].strip() == "target demo_target:greet"  # what its patcher recorded
     pth = installed_python.parent.parent / "lib"
     (hook_file,) = pth.glob("python3*/site-packages/megatron_lora_patch-init.pth")
-    assert lines[-1] == f"start-up hook: installed at {hook_file} (ran in this process)"
+    assert lines[-2] == f"start-up hook: installed at {hook_file} (ran in this process)"
+    assert lines[-1].startswith("megatron-core: ") and " imported from " in lines[-1]  # which one the run imports
 
 
 def test_status_when_plugins_unset(installed_python):

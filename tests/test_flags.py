@@ -180,7 +180,11 @@ def test_version_is_read_from_the_imported_package_info_not_cached(no_megatron_c
 
     for name in ("megatron.core", "megatron.core.package_info"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    assert versions.installed_megatron_core() is None  # before import: no metadata, nothing to read
+    on_path = versions.resolved_megatron_core()  # before import: the package_info.py an import would load
+    assert on_path is not None and versions.installed_megatron_core() == on_path[0] is not None
+    assert "megatron.core" not in sys.modules  # read without importing Megatron
+    monkeypatch.setattr(versions, "resolved_megatron_core", lambda: None)
+    assert versions.installed_megatron_core() is None  # no metadata and none on the path: nothing to read
     monkeypatch.setitem(sys.modules, "megatron.core", types.ModuleType("megatron.core"))
     monkeypatch.setitem(sys.modules, "megatron.core.package_info", types.SimpleNamespace(__version__="0.19.2"))
     assert str(versions.installed_megatron_core()) == "0.19.2"  # after import: the imported module's
