@@ -104,3 +104,16 @@ def pytest_runtest_makereport(item, call):
             report.outcome = "failed"
             report.longrepr = f"skipped without needing CUDA / Transformer Engine (proves nothing): {reason}"
     return report
+
+
+def fake_megatron(root: pathlib.Path, version: str, layers: bool = False) -> str:
+    """A minimal Megatron-Core source checkout (no dist-info) under `root`; returns its path."""
+    core = root / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "package_info.py").write_text(f"__version__ = {version!r}\n")
+    (core / "__init__.py").write_text("import megatron.core.tensor_parallel\n" if layers else "")
+    if layers:  # a tensor_parallel without what lora_linear and finalize_grads wrap: both fail
+        (core / "tensor_parallel").mkdir()
+        (core / "tensor_parallel" / "__init__.py").write_text("from megatron.core.tensor_parallel import layers\n")
+        (core / "tensor_parallel" / "layers.py").write_text("RENAMED_UPSTREAM = True\n")
+    return str(root)
