@@ -98,14 +98,14 @@ WHEELS=$(mktemp -d); trap 'rm -rf "$WHEELS"' EXIT
 rm -rf build ./*.egg-info
 WHEEL=$(ls "$WHEELS"/*.whl)
 
-echo "== megatron-core $NEWEST.x (Python $(python_for $NEWEST)): full suite"
+echo "== megatron-core $NEWEST.x (Python $(python_for $NEWEST)): full suite (at ${SECONDS} s)"
 python=$(megatron_env "$NEWEST" "$WHEEL")
 marker=()
 [ "${SKIP_SLOW:-0}" = 1 ] && marker=(-m "not slow")
-"$python" -P -m pytest "${marker[@]}" || status=$?
+"$python" -P -m pytest --durations=25 "${marker[@]}" || status=$?  # the slowest tests, to keep CI in its budget
 
 for minor in "${SMOKE[@]}"; do
-  echo "== megatron-core $minor.x (Python $(python_for "$minor")): runtime tests + oracle on the default topologies"
+  echo "== megatron-core $minor.x (Python $(python_for "$minor")): runtime tests + the default oracle (at ${SECONDS} s)"
   python=$(megatron_env "$minor" "$WHEEL")
   versioned=("${VERSIONED_TESTS[@]}")
   [ "$minor" = 0.13 ] && versioned=(tests/test_null_tokenizer.py)  # test_megatron_compat applies tp_invariant (0.14+)
@@ -113,9 +113,10 @@ for minor in "${SMOKE[@]}"; do
   "$python" -P -m megatron_lora_patch oracle || status=$?
 done
 
-echo "== megatron-core $NEWEST.x with $NEWER_TORCH: runtime tests + oracle on the default topologies"
+echo "== megatron-core $NEWEST.x with $NEWER_TORCH: runtime tests + the default oracle (at ${SECONDS} s)"
 python=$(megatron_env "$NEWEST" "$WHEEL" "$NEWER_TORCH")
 "$python" -P -m pytest -q "${RUNTIME_TESTS[@]}" || status=$?
 "$python" -P -m megatron_lora_patch oracle || status=$?
 
+echo "== done in $SECONDS s"
 exit $status
