@@ -2,8 +2,8 @@
 section 2).
 
 runtime (bootstrap, registry, hookspecs, flags, versions, ...) < LoRA config and adapter math < LoRA on
-layers and training < checkpoints < PEFT exchange < TP-invariant mode < integrations (the wrappers) <
-patch declarations and plugins < proof (testbed < oracle) < CLI. A module may import its own layer or
+layers and training < checkpoints < PEFT exchange < TP-invariant mode < patches (one module per patch:
+declaration, hooks and wrappers) < plugins < proof (testbed < oracle) < CLI. A module may import its own layer or
 a lower one; the runtime never imports LoRA, nothing below the proof imports it. Read from the source
 with `ast` (imports inside functions count too), so a lazy import cannot hide an upward arrow.
 """
@@ -26,8 +26,7 @@ LAYERS = {
     "lora.checkpoints": 3, "save_adapters": 3, "load_adapters": 3,
     "lora.exchange": 4, "export_peft": 4, "import_peft": 4,
     "lora": 4, "layout_invariant": 5, "handoff": 5,
-    "integrations": 6,
-    "patches": 7, "plugins": 7,
+    "patches": 6, "plugins": 7,
     "proof.testbed": 8, "proof.oracle": 9, "proof": 9,
     "cli": 10, "__main__": 10,
 }
