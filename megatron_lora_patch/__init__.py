@@ -34,3 +34,23 @@ def __getattr__(name: str):  # no `typing` or `importlib` at import time: this m
 
 def __dir__():
     return sorted([*globals(), *_PUBLIC])
+
+
+def _map_checkout_patches() -> None:
+    """Imported from a source checkout (never installed, or installed editable), the patches are the repository's
+    top-level `patches/`, not a subpackage here: map `megatron_lora_patch.patches` to it (`_checkout`). An
+    installed wheel holds `patches/__init__.py` in this directory, so there this costs one `stat`, imports nothing."""
+    import os  # on the start-up path `site` has loaded it already
+
+    here = os.path.dirname(__file__)
+    checkout_patches = os.path.join(os.path.dirname(here), "patches")
+    if not os.path.isfile(os.path.join(here, "patches", "__init__.py")) and os.path.isfile(
+        os.path.join(checkout_patches, "__init__.py")
+    ):
+        from megatron_lora_patch import _checkout
+
+        _checkout.install(checkout_patches)
+
+
+_map_checkout_patches()
+del _map_checkout_patches

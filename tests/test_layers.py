@@ -2,8 +2,8 @@
 section 2).
 
 runtime (bootstrap, registry, hookspecs, flags, versions, ...) < LoRA config and adapter math < LoRA on
-layers and training < checkpoints < PEFT exchange < TP-invariant mode < integrations (the wrappers) <
-patch declarations and plugins < proof (testbed < oracle) < CLI. A module may import its own layer or
+layers and training < checkpoints < PEFT exchange < TP-invariant mode < patches (one module per patch:
+declaration, hooks and wrappers) < plugins < proof (testbed < oracle) < CLI. A module may import its own layer or
 a lower one; the runtime never imports LoRA, nothing below the proof imports it. Read from the source
 with `ast` (imports inside functions count too), so a lazy import cannot hide an upward arrow.
 """
@@ -20,14 +20,13 @@ PACKAGE = "megatron_lora_patch"
 
 #: Module prefix under the package -> layer rank (higher may import lower); longest prefix wins.
 LAYERS = {
-    "__init__": 0, "runtime": 0, "apply": 0, "revert": 0, "status": 0, "SkipPatch": 0,
+    "__init__": 0, "_checkout": 0, "runtime": 0, "apply": 0, "revert": 0, "status": 0, "SkipPatch": 0,
     "lora.config": 1, "lora.config_rules": 1, "lora.adapters": 1, "cpu_testbed": 1,
     "lora.layers": 2, "lora.training": 2,
     "lora.checkpoints": 3, "save_adapters": 3, "load_adapters": 3,
     "lora.exchange": 4, "export_peft": 4, "import_peft": 4,
     "lora": 4, "layout_invariant": 5, "handoff": 5,
-    "integrations": 6,
-    "patches": 7, "plugins": 7,
+    "patches": 6, "plugins": 7,
     "proof.testbed": 8, "proof.oracle": 9, "proof": 9,
     "cli": 10, "__main__": 10,
 }
@@ -42,9 +41,27 @@ def _layer(module: str) -> int:
     raise KeyError(f"{module}: no layer declared in tests/test_layers.py LAYERS")
 
 
+#: Source directories outside the package and the module name they ship as (setup.py's package_dir).
+MAPPED = {f"{PACKAGE}.patches": ROOT / "patches"}
+
+
+def _source_dirs():
+    yield PACKAGE, ROOT / PACKAGE
+    yield from MAPPED.items()
+
+
 def _modules():
-    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
-        yield ".".join(path.relative_to(ROOT).with_suffix("").parts), path
+    for name, directory in _source_dirs():
+        for path in sorted(directory.rglob("*.py")):
+            yield ".".join([name, *path.relative_to(directory).with_suffix("").parts]), path
+
+
+def _source_path(module: str) -> pathlib.Path:
+    """Where `module` (a dotted name under the package) lives in this checkout, without a suffix."""
+    for name, directory in MAPPED.items():
+        if module == name or module.startswith(name + "."):
+            return directory.joinpath(*module.split(".")[name.count(".") + 1:])
+    return ROOT.joinpath(*module.split("."))
 
 
 def _imports(module: str, path: pathlib.Path):
@@ -62,12 +79,22 @@ def _imports(module: str, path: pathlib.Path):
 
 
 def _submodule(source: str, name: str) -> str:
-    candidate = ROOT.joinpath(*f"{source}.{name}".split("."))
+    candidate = _source_path(f"{source}.{name}")
     return f"{source}.{name}" if candidate.with_suffix(".py").exists() or candidate.is_dir() else source
 
 
 def _upward(module: str, path: pathlib.Path):
     return [target for target in _imports(module, path) if _layer(target) > _layer(module)]
+
+
+def test_the_scan_covers_the_top_level_patches():
+    """`patches/` at the repository's top level is read as `megatron_lora_patch.patches` (the name it ships as),
+    so an upward arrow or a cycle through a patch module is seen too."""
+    scanned = {module for module, _ in _modules()}
+    patches = {f"{PACKAGE}.patches.{path.stem}" for path in (ROOT / "patches").glob("*.py")}
+    assert f"{PACKAGE}.patches.lora_linear" in patches and patches <= scanned
+    assert _submodule(f"{PACKAGE}.patches", "lora_linear") == f"{PACKAGE}.patches.lora_linear"
+    assert _upward(f"{PACKAGE}.patches.lora_linear", ROOT / "patches" / "lora_linear.py") == []
 
 
 def test_every_import_points_down_or_sideways():

@@ -32,7 +32,6 @@ from conftest import run_python
 from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
 
-from megatron_lora_patch.integrations import null_tokenizer as null_tokenizer_eod
 from megatron_lora_patch.patches import null_tokenizer as patch
 from megatron_lora_patch.plugins import lora_correct
 from megatron_lora_patch.runtime import flags as flags_module
@@ -245,9 +244,9 @@ def test_class_already_counting_eod_is_reported_upstream(runtime, training_modul
 
 
 def test_convention_probe():
-    assert null_tokenizer_eod.require_eod_outside_vocab(doubles._NullTokenizer, "legacy") is None
+    assert patch.require_eod_outside_vocab(doubles._NullTokenizer, "legacy") is None
     with pytest.raises(SkipPatch, match=r"^already upstream: upstream\(8\) has vocab_size 8 and eod 7$"):
-        null_tokenizer_eod.require_eod_outside_vocab(doubles.EodInVocabNullTokenizer, "upstream")
+        patch.require_eod_outside_vocab(doubles.EodInVocabNullTokenizer, "upstream")
 
     class PadAtEnd(doubles._NullTokenizer):
         @property
@@ -255,7 +254,7 @@ def test_convention_probe():
             return self._ordinary_ids + 2
 
     with pytest.raises(RuntimeError, match=r"odd\(8\) has vocab_size 10 and eod 8, which is neither"):
-        null_tokenizer_eod.require_eod_outside_vocab(PadAtEnd, "odd")
+        patch.require_eod_outside_vocab(PadAtEnd, "odd")
 
 
 @pytest.mark.skipif(

@@ -4,6 +4,7 @@ so they load from a bare checkout) and the table equals the entry points pyproje
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import subprocess
@@ -23,14 +24,24 @@ def test_own_plugins_equal_the_declared_entry_points():
 
 def test_apply_from_a_bare_checkout(tmp_path):
     """Run from the checkout root without installing: the checkout's package is imported and
-    `apply(plugins=['lora_correct'])` finds its plugin and patches (issue: ModuleNotFoundError)."""
+    `apply(plugins=['lora_correct'])` finds its plugin and patches (issue: ModuleNotFoundError); the patches are
+    the checkout's top-level `patches/`, mapped to `megatron_lora_patch.patches` (`megatron_lora_patch._checkout`)."""
     code = (
-        "import megatron_lora_patch, pathlib; megatron_lora_patch.apply(plugins=['lora_correct']);"
-        "print(pathlib.Path(megatron_lora_patch.__file__).parent.parent)"
+        "import json, sys, megatron_lora_patch; megatron_lora_patch.apply(plugins=['lora_correct']);"
+        "rows = [row.patch for row in megatron_lora_patch.status()];"
+        "files = {m: sys.modules[m].__file__ for m in sys.modules if m.startswith('megatron_lora_patch.patches')};"
+        "print(json.dumps([megatron_lora_patch.__file__, rows, files]))"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert pathlib.Path(result.stdout.split()[-1]) == REPO
+    package_file, rows, files = json.loads(result.stdout.splitlines()[-1])
+    assert pathlib.Path(package_file) == REPO / "megatron_lora_patch" / "__init__.py"
+    from megatron_lora_patch.plugins import lora_correct
+
+    assert rows == list(lora_correct.PATCH_NAMES)
+    expected = {"megatron_lora_patch.patches": REPO / "patches" / "__init__.py"}
+    expected.update({f"megatron_lora_patch.patches.{name}": REPO / "patches" / f"{name}.py" for name in rows})
+    assert {name: pathlib.Path(path) for name, path in files.items()} == expected
 
 
 def _ci_minors() -> list:

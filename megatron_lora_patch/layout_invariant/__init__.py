@@ -10,7 +10,7 @@ parallelism change:
   sequence shards joined), and the all-lane combine of expert-parallel buffers;
 - `losses`: the reported loss reduced over global microbatches in one fixed order;
 - `checks`: the one-line refusals of what the mode does not cover;
-- (`integrations.layout_invariant` holds what the `layout_invariant` patch installs on Megatron-Core.)
+- (`megatron_lora_patch.patches.layout_invariant` holds what the `layout_invariant` patch installs on Megatron-Core.)
 """
 
 from megatron_lora_patch.layout_invariant.tensor_parallel import TPInvariantUnsupported

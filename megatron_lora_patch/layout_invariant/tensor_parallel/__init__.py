@@ -1,7 +1,7 @@
 """TP-invariant mode: the same bits for TP = 1, 2, 4 (docs/architecture.md section 7).
 
-Plain modules, installed by the `layout_invariant` patch (formerly `tp_invariant`; its hooks are
-`megatron_lora_patch.integrations.layout_invariant`):
+Plain modules, installed by the `layout_invariant` patch (formerly `tp_invariant`; its hooks are in
+`megatron_lora_patch.patches.layout_invariant`):
 - `shares`: the fixed partition of a sharded dimension (segments, chunks) and the canonical tree;
 - `collectives`: the tree combine over TP (an all-gather of partial sums) and the activation gather;
 - `segmented`: column- and row-parallel linears (base + LoRA) on the local weight shards;

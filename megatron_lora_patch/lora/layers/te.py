@@ -173,7 +173,7 @@ class _UpProjectionAfterAllReduce(torch.autograd.Function):
         return grad_partial, grad_b, None, None, grad_output if ctx.has_base else None
 
 
-# -- forward wrappers (installed by integrations/lora_linear.py when the TE module imports) ----------------------
+# -- forward wrappers (installed by the lora_linear patch, patches/lora_linear.py, when the TE module imports) ---
 
 
 def _first_argument(args: tuple, kwargs: dict, name: str) -> torch.Tensor:

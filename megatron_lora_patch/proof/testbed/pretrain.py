@@ -108,8 +108,8 @@ def reduced_lm_loss(reports: List[dict]) -> Optional[float]:
     under the layout-invariant mode its exact reduction (`layout_invariant.losses`)."""
     from megatron.core import parallel_state
 
-    from megatron_lora_patch.integrations import layout_invariant as hooks
     from megatron_lora_patch.layout_invariant import losses
+    from megatron_lora_patch.patches import layout_invariant as hooks
 
     if not reports:
         return None

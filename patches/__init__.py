@@ -1,5 +1,6 @@
-"""Patch declarations: one module per patch, each a `PatchSpec` naming the Megatron-Core modules it
-targets and the `megatron_lora_patch.integrations` hook for each (docs/architecture.md section 3).
+"""The patches: one module per patch, each holding its `PatchSpec` (named `SPEC`: the Megatron-Core modules it
+targets and the hook for each), the hooks and wrappers themselves, and a docstring saying what the patch changes
+and why (docs/architecture.md section 3).
 
 The Megatron-Core range every patch is tested on is declared here once: `scripts/run-tests.sh` runs each minor
 of it (tests/test_plugin_table.py checks that the two agree)."""

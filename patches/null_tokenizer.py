@@ -1,13 +1,17 @@
-"""`--vocab-size N` counting the end-of-document token, for every null tokenizer (docs/architecture.md section 6).
+"""`null_tokenizer` (opt-in): `--vocab-size N` counts the end-of-document token (docs/architecture.md section 6).
 
 Megatron-Core's `NullTokenizer` up to 0.16 and Megatron-LM's training-side `_NullTokenizer`
-read N as N ordinary ids plus EOD (`eod == N`, `vocab_size == N + 1`); Megatron-LM main (#4057)
-and Megatron-Bridge count EOD inside (`eod == N - 1`, `vocab_size == N`). The hooks here,
-installed by the opt-in `null_tokenizer` patch, give the installed classes the second
-convention: each constructor builds the original for N - 1 ordinary ids, and the dataset
-cache keys (`unique_identifiers`) carry the EOD id so the two conventions never share cached
-indices. Each hook first probes its class: already counting EOD inside -> `SkipPatch`;
-neither convention -> an error instead of a guess.
+read `--vocab-size N` as N ordinary ids plus EOD (`eod == N`, `vocab_size == N + 1`);
+Megatron-LM main (#4057) and Megatron-Bridge count EOD inside (`eod == N - 1`, `vocab_size == N`).
+With this patch on, the installed classes follow the second convention:
+- `__init__` of each null tokenizer builds the original for N - 1 ordinary ids;
+- dataset cache keys (`unique_identifiers` of the core `NullTokenizer`, its
+  `MegatronTokenizerText` wrapper and the training-side `_NullTokenizer`) add the EOD id, so
+  the two conventions never reuse each other's cached indices and mock data.
+Each hook first probes its class (built for a small N with logging muted): a class already
+counting EOD inside skips the patch ("already upstream"); one following neither convention makes
+it fail instead of a guess. Limitations: one state per patch (one upstream class skips
+all); after a revert a tokenizer built while on keeps eod N-1 but its core key is unpatched.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import logging
 import types
 from typing import Any, Callable, Optional
 
-from megatron_lora_patch.runtime.patching import Patcher, inspect_static
+from megatron_lora_patch.patches import tested_range
+from megatron_lora_patch.runtime.patching import Patcher, PatchSpec, inspect_static
 from megatron_lora_patch.runtime.registry import SkipPatch
 
 CORE_MODULE = "megatron.core.tokenizers.text.libraries.null_tokenizer"
@@ -155,3 +160,17 @@ def patch_training(patcher: Patcher, module: types.ModuleType) -> None:
     null_tokenizer = module._NullTokenizer
     require_eod_outside_vocab(null_tokenizer, f"{module.__name__}._NullTokenizer")
     patcher.wrap(null_tokenizer, "__init__", _training_init)
+
+
+SPEC = PatchSpec(
+    name="null_tokenizer",
+    summary="--vocab-size N includes the end-of-document token (eod = N-1, vocab_size = N) for every "
+    "null tokenizer; dataset cache keys carry the EOD id; skipped where Megatron already does so",
+    hooks={
+        CORE_MODULE: patch_core,
+        CORE_WRAPPER_MODULE: patch_core_wrapper,
+        TRAINING_MODULE: patch_training,
+    },
+    versions=tested_range(),
+    default=False,
+)

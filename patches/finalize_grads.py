@@ -1,15 +1,19 @@
-"""Finalize-time LoRA grad handling the `finalize_grads` patch installs (docs/architecture.md section 4).
+"""`finalize_grads`: after Megatron's `finalize_model_grads`, SUM replicated LoRA factor grads over their domain.
 
-- `finalize_model_grads` runs Megatron's own finalize with the caller's arguments untouched,
-  then `grad_sync.sum_replicated_adapter_grads` (the 1/num_tokens scaling is linear and equal
-  on every rank of a domain, so summing after it is exact).
-- A process-wide step tracker: the schedules mark a training step that finalize must cover,
-  the optimizer's `prepare_grads` refuses (strict) or warns once when none did (SkyRL #223).
-  A `config.finalize_model_grads_func` still holding the unpatched function is swapped for
-  the patched one for the duration of each schedule call.
-- The grad-norm predicate counts a replicated factor on rank 0 of ITS domain group.
+What it changes (docs/architecture.md sections 3-4):
+- `megatron.core.distributed.finalize_model_grads` (the function and the package re-export
+  Megatron-LM binds into `config.finalize_model_grads_func`): Megatron's finalize with its
+  arguments unchanged, then `lora.training.grad_sync.sum_replicated_adapter_grads(model)` (the
+  1/num_tokens scaling is linear and equal on every rank of a domain, so summing after it is exact).
+- The schedules' `forward_backward_*`: mark a training step that finalize must cover (a process-wide
+  step tracker); a `config.finalize_model_grads_func` still holding the unpatched function is
+  swapped for the patched one for the duration of each schedule call.
+- `MixedPrecisionOptimizer.prepare_grads` / `FP32Optimizer.prepare_grads`: refuse (strict)
+  or warn once about grads no finalize covered after the last backward (SkyRL #223).
+- `tensor_parallel.param_is_not_tensor_parallel_duplicate` (grad norm, zero count, and its
+  copy bound in `clip_grads`): a replicated factor counts on rank 0 of ITS domain group.
 
-Each `patch_*` function is a hook for one Megatron module; torch / Megatron are imported
+Each `patch_*` function is the hook for one Megatron module; torch / Megatron are imported
 inside them, so importing this module stays cheap.
 """
 
@@ -20,8 +24,9 @@ import sys
 import types
 
 from megatron_lora_patch.lora.adapters.metadata import adapter_info
+from megatron_lora_patch.patches import tested_range
 from megatron_lora_patch.runtime import registry
-from megatron_lora_patch.runtime.patching import Patcher
+from megatron_lora_patch.runtime.patching import Patcher, PatchSpec
 
 log = logging.getLogger(__name__)
 
@@ -187,3 +192,19 @@ def patch_distributed(patcher: Patcher, package: types.ModuleType) -> None:
     """Finalize SUMs replicated factors; revert forgets any unfinalized step."""
     _patch_finalize(patcher, package)
     patcher.on_revert(TRACKER.reset)
+
+
+SPEC = PatchSpec(
+    name="finalize_grads",
+    summary="after finalize_model_grads, SUM replicated LoRA factor grads over their TP / expert-TP domain; "
+    "flag steps that skip finalize; count replicated factors once in the grad norm",
+    hooks={
+        "megatron.core.distributed": patch_distributed,
+        "megatron.core.pipeline_parallel.schedules": patch_schedules,
+        "megatron.core.optimizer.optimizer": patch_optimizer,
+        "megatron.core.tensor_parallel": patch_duplicate_predicate,
+        "megatron.core.optimizer.clip_grads": rebind_clip_grads_predicate,
+    },
+    versions=tested_range(),
+    default=True,
+)

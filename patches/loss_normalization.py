@@ -1,13 +1,22 @@
-"""Per-token loss normalization the `loss_normalization` patch installs (docs/architecture.md section 5).
+"""`loss_normalization`: the step loss is summed loss / GLOBAL trainable-token count (docs/architecture.md section 5).
 
-The step loss is summed loss / GLOBAL trainable-token count. Megatron-Core implements this
-when `config.calculate_per_token_loss` is on (the schedule keeps each microbatch's loss a
-SUM, `finalize_model_grads` divides by the count all-reduced over DP x CP, DDP sums). The
-hooks here turn it on as early as possible and check each loss function's result against
-that contract: a legacy 2-tuple `(mean, report)` is refused (strict) or made to reproduce
-Megatron's own legacy mean-of-means gradients, never silently summed over DP.
+Megatron-Core does this when `config.calculate_per_token_loss` is on (the schedule keeps each
+microbatch's loss a SUM, `finalize_model_grads` divides by the count all-reduced over DP x CP, DDP
+sums); off (the default), each rank divides by its own token count and DDP averages over DP: a mean
+of per-rank means, wrong whenever ranks or microbatches hold different numbers of trainable tokens.
+What it changes (it turns the mode on as early as possible and checks each loss function's result
+against that contract):
+- `TransformerConfig.__post_init__` sets `calculate_per_token_loss = True` (MoE routers read it
+  when they are built);
+- `DistributedDataParallel.__init__` does the same for a config built before the patch and
+  turns off `ddp_config.average_in_collective` (the collective must SUM);
+- the schedule's loss step (`forward_step_calc_loss` from 0.14, `forward_step` in 0.13)
+  checks each loss function's result: a legacy 2-tuple `(mean, report)` raises (strict) or
+  warns once and reproduces Megatron's own legacy mean-of-means gradients, never silently
+  summed over DP; a step whose config still has per-token loss off is reported the same way.
+The reported loss is untouched.
 
-Each `patch_*` function is a hook for one Megatron module; torch / Megatron are imported
+Each `patch_*` function is the hook for one Megatron module; torch / Megatron are imported
 inside the functions, so importing this module stays cheap.
 """
 
@@ -18,8 +27,9 @@ import inspect
 import logging
 import types
 
+from megatron_lora_patch.patches import tested_range
 from megatron_lora_patch.runtime import registry
-from megatron_lora_patch.runtime.patching import Patcher
+from megatron_lora_patch.runtime.patching import Patcher, PatchSpec
 
 log = logging.getLogger(__name__)
 
@@ -151,3 +161,17 @@ def patch_schedules(patcher: Patcher, schedules: types.ModuleType) -> None:
         return wrapped(*bound.args, **bound.kwargs)
 
     patcher.wrap(schedules, "forward_step", guard_forward_step)
+
+
+SPEC = PatchSpec(
+    name="loss_normalization",
+    summary="global token normalization: calculate_per_token_loss on before DDP is built, "
+    "legacy 2-tuple loss functions detected at the first microbatch",
+    hooks={
+        "megatron.core.transformer.transformer_config": patch_transformer_config,
+        "megatron.core.distributed.distributed_data_parallel": patch_ddp,
+        "megatron.core.pipeline_parallel.schedules": patch_schedules,
+    },
+    versions=tested_range(),
+    default=True,
+)
