@@ -3,7 +3,7 @@
 A PEFT adapter is only as good as the base model it is loaded onto: exporting the adapters of a
 model built with Megatron's defaults (learned absolute positions, LayerNorm, a non-gated GeLU MLP)
 under Llama names would give an adapter no Llama can use. `resolve` compares what the checkpoint
-description records (lora/checkpoints/architecture.py, docs/architecture.md section 4) with what
+description records (lora/inventory.py `describe`, docs/architecture.md section 4) with what
 each family's `transformers` model can represent (its record in lora/exchange/family_table.py, whose
 docstring tabulates them), and refuses with one line naming the mismatch.
 
