@@ -6,7 +6,7 @@
 - `defaults`: a `GPTModel` built with Megatron-Core's defaults (learned absolute positions, LayerNorm,
   a non-gated GeLU MLP, linear biases, tied embeddings): no Hugging Face family here can hold it;
 - `older`: the Llama-shaped testbed model, its description written without the architecture fields
-  (lora/checkpoints/architecture.py), as checkpoints from before they existed are.
+  (lora/inventory.py `FIELDS`), as checkpoints from before they existed are.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def save_world(rank: int, world: int, spec, root: str) -> dict:
     from megatron.core import dist_checkpointing
     from persistence_worker import lora_config, setup
 
-    from megatron_lora_patch.lora.checkpoints import architecture, checkpoint
+    from megatron_lora_patch.lora import inventory
+    from megatron_lora_patch.lora.checkpoints import checkpoint
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
 
@@ -50,8 +51,8 @@ def save_world(rank: int, world: int, spec, root: str) -> dict:
         checkpoint.save_adapters([model], os.path.join(root, DEFAULTS))
         chunks = build_model(spec, topology)
         state = checkpoint.adapter_only_sharded_state_dict(chunks)
-        description = checkpoint.describe(chunks)
-        state[checkpoint.DESCRIPTION_KEY] = {k: v for k, v in description.items() if k not in architecture.FIELDS}
+        description = inventory.describe(chunks)
+        state[checkpoint.DESCRIPTION_KEY] = {k: v for k, v in description.items() if k not in inventory.FIELDS}
         os.makedirs(os.path.join(root, OLDER))
         dist_checkpointing.save(state, os.path.join(root, OLDER))
-        return checkpoint.describe([model])
+        return inventory.describe([model])

@@ -35,7 +35,7 @@ def local_adapters(chunks) -> List[dict]:
     """Every local adapter's shard and position, as picklable data."""
     from megatron.core.utils import get_pg_rank, get_pg_size
 
-    from megatron_lora_patch.lora.checkpoints.checkpoint import adapters_of
+    from megatron_lora_patch.lora.inventory import adapters_of
 
     return [
         {
@@ -253,7 +253,8 @@ def overwrite_world(rank: int, world: int, topology: str, spec, seed: int, root:
 
     from megatron.core import dist_checkpointing
 
-    from megatron_lora_patch.lora.checkpoints.checkpoint import adapters_of, is_adapter_key, save_adapters
+    from megatron_lora_patch.lora.checkpoints.checkpoint import is_adapter_key, save_adapters
+    from megatron_lora_patch.lora.inventory import adapters_of
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
     from megatron_lora_patch.runtime.errors import UsageError

@@ -26,7 +26,7 @@ def config(**options):
 
 def shared_factors(chunks) -> Dict[str, List[torch.Tensor]]:
     """Shared factor name -> the tensor each local expert adapter holds as it (CPU copies, in expert order)."""
-    from megatron_lora_patch.lora.checkpoints.checkpoint import adapters_of
+    from megatron_lora_patch.lora.inventory import adapters_of
     from megatron_lora_patch.lora.layers.shared_outer import OUTER_FACTORS, shared_name
 
     found: Dict[str, List[torch.Tensor]] = {}

@@ -2,10 +2,10 @@
 section 2).
 
 runtime (bootstrap, registry, hookspecs, flags, versions, ...) < LoRA config and adapter math < LoRA on
-layers and training < checkpoints < PEFT exchange < TP-invariant mode < patches (one module per patch:
-declaration, hooks and wrappers) < plugins < proof (testbed < oracle) < CLI. A module may import its own layer or
-a lower one; the runtime never imports LoRA, nothing below the proof imports it. Read from the source
-with `ast` (imports inside functions count too), so a lazy import cannot hide an upward arrow.
+layers and training, the live model's inventory < checkpoints < PEFT exchange < TP-invariant mode < patches (one
+module per patch: declaration, hooks and wrappers) < plugins < proof (testbed < oracle) < CLI. A module may import
+its own layer or a lower one; the runtime never imports LoRA, nothing below the proof imports it. Read from the
+source with `ast` (imports inside functions count too), so a lazy import cannot hide an upward arrow.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ PACKAGE = "megatron_lora_patch"
 LAYERS = {
     "__init__": 0, "_checkout": 0, "runtime": 0, "apply": 0, "revert": 0, "status": 0, "SkipPatch": 0,
     "lora.config": 1, "lora.config_rules": 1, "lora.adapters": 1, "cpu_testbed": 1,
-    "lora.layers": 2, "lora.training": 2,
+    "lora.layers": 2, "lora.training": 2, "lora.inventory": 2,
     "lora.checkpoints": 3, "save_adapters": 3, "load_adapters": 3,
     "lora.exchange": 4, "export_peft": 4, "import_peft": 4,
     "lora": 4, "layout_invariant": 5, "handoff": 5,

@@ -5,10 +5,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_lora_patch.cli import quiet
-
-#: The families `lora/exchange/families.py` FAMILIES holds, in its order, written here so that `--help` does not
-#: import torch; tests/test_export_families.py checks that the two lists are the same.
-FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
+from megatron_lora_patch.lora.exchange import family_table  # standard library only: `--help` imports no torch
 
 
 def add_parser(commands) -> None:
@@ -31,9 +28,11 @@ def add_parser(commands) -> None:
     export.add_argument(
         "--family",
         default=None,
-        help=f"HF model family: {', '.join(FAMILY_NAMES)} (the last three: MoE experts; qwen2_moe: shared experts "
-        "too); default: inferred from the checkpoint (qwen3 / qwen3_moe with q / k layernorm, else llama / "
-        "mixtral); refused, naming the mismatch, when the family cannot represent the model",
+        help=f"HF model family: {', '.join(family_table.FAMILIES)} (MoE experts: "
+        f"{', '.join(family_table.with_experts())}; shared experts too: "
+        f"{', '.join(family_table.with_shared_experts())}); default: inferred from the "
+        "checkpoint (qwen3 / qwen3_moe with q / k layernorm, else llama / mixtral); refused, naming the mismatch, "
+        "when the family cannot represent the model",
     )
     export.add_argument("--force", action="store_true", help="replace a non-empty --out")
     quiet.add_verbose(export)

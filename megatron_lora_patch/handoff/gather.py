@@ -20,8 +20,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from megatron_lora_patch.lora import inventory
 from megatron_lora_patch.lora.adapters.layouts import unshard
-from megatron_lora_patch.lora.checkpoints import checkpoint
 from megatron_lora_patch.lora.layers import trained_fully
 
 Key = Tuple[str, str]  # (canonical module name, "A" | "B" | "W")
@@ -75,7 +75,7 @@ def local_tensors(chunks: Iterable[torch.nn.Module]) -> Dict[Key, Tuple[Piece, t
     chunks = list(chunks)
     me, _ = _world()
     found: Dict[Key, Tuple[Piece, torch.Tensor]] = {}
-    for name, adapter in checkpoint.adapters_of(chunks).items():
+    for name, adapter in inventory.adapters_of(chunks).items():
         group = _group_ranks(adapter.tp_group)
         sharded = "B" if adapter.parallel_mode == "column" else "A"
         for factor in ("A", "B"):
@@ -85,7 +85,7 @@ def local_tensors(chunks: Iterable[torch.nn.Module]) -> Dict[Key, Tuple[Piece, t
             stride = getattr(param, "partition_stride", 1) if dim is not None else 1
             found[(name, factor)] = (Piece(name, factor, me, group, dim, stride, tuple(tensor.shape), tensor.dtype),
                                      tensor)
-    for module, name in trained_fully.trained_weights(checkpoint.single_model(chunks)):
+    for module, name in trained_fully.trained_weights(inventory.single_model(chunks)):
         tensor = module.weight.detach()  # vocabulary rows: sharded on dim 0 over the module's TP group
         found[(name, "W")] = (Piece(name, "W", me, _group_ranks(module.tp_group), 0, 1, tuple(tensor.shape),
                                     tensor.dtype), tensor)

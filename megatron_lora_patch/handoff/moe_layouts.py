@@ -30,22 +30,17 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Dict, Tuple
+from typing import Dict
 
 import torch
 
 from megatron_lora_patch.handoff.state import AdapterState
 from megatron_lora_patch.lora.adapters.layouts import fc1_to_gate_up
 from megatron_lora_patch.lora.exchange.checks import peft_pattern_value
+from megatron_lora_patch.lora.exchange.family_table import FAMILIES, PerExpertNames, with_per_expert
 from megatron_lora_patch.lora.exchange.names import PEFT_PREFIX, PeftFormatError
 from megatron_lora_patch.lora.exchange.peft import pattern_keys
 
-#: family -> (experts module, gate, up, down) of the per-expert layout (transformers 4 names).
-PER_EXPERT_NAMES: Dict[str, Tuple[str, str, str, str]] = {
-    "qwen3_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
-    "qwen2_moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
-    "mixtral": ("block_sparse_moe.experts", "w1", "w3", "w2"),
-}
 #: layout -> the loaders known to read it (docs/handoff.md section 4 cites their source).
 LOADERS = {
     "peft": "peft >= 0.18 on transformers >= 5, vLLM 3D-MoE LoRA (LoRAModelManager._stack_moe_lora_weights)",
@@ -64,9 +59,9 @@ class LayoutError(PeftFormatError):
 def _check(layout: str, state: AdapterState) -> None:
     if layout not in LOADERS:
         raise LayoutError(f"unknown MoE layout {layout!r}; known: {', '.join(LOADERS)}")
-    if layout != "peft" and state.family not in PER_EXPERT_NAMES:
+    if layout != "peft" and state.family not in with_per_expert():
         raise LayoutError(f"no engine loads {layout} LoRA modules for family {state.family!r}; {layout} is known for "
-                          f"{', '.join(PER_EXPERT_NAMES)} ({LOADERS[layout]})")
+                          f"{', '.join(with_per_expert())} ({LOADERS[layout]})")
     if layout != "shared_outer":
         return
     if not state.shared_outer:
@@ -90,7 +85,7 @@ def _parameter(config: dict, layer_path: str, base: bool, layers_with_base: set)
     return "gate_up_proj" if targets == {"gate_up_proj"} else "down_proj"
 
 
-def _per_expert(path: str, names: tuple, parameter: str, lora_a, lora_b, rank: int) -> Dict[str, torch.Tensor]:
+def _per_expert(path: str, names: PerExpertNames, parameter: str, lora_a, lora_b, rank: int) -> Dict[str, torch.Tensor]:
     """Expert e's (A, B) of one packed wrapper, under per-expert module names."""
     experts, gate, up, down = names
     num = lora_a.shape[0] // rank
@@ -106,7 +101,7 @@ def _per_expert(path: str, names: tuple, parameter: str, lora_a, lora_b, rank: i
     return out
 
 
-def _patterns(config: dict, tensors: Dict[str, torch.Tensor], names: tuple) -> dict:
+def _patterns(config: dict, tensors: Dict[str, torch.Tensor], names: PerExpertNames) -> dict:
     """rank_pattern / alpha_pattern of the converted modules: each module's value is the packed config's for
     the parameter it came from (gate / up: `gate_up_proj`, down: `down_proj`), keyed again by `pattern_keys`
     (a key that would also match the shared experts' or attention's projections is lengthened)."""
@@ -125,7 +120,8 @@ def _patterns(config: dict, tensors: Dict[str, torch.Tensor], names: tuple) -> d
     return fields
 
 
-def _shared_outer(path: str, names: tuple, parameter: str, lora_a, lora_b, rank: int) -> Dict[str, torch.Tensor]:
+def _shared_outer(path: str, names: PerExpertNames, parameter: str, lora_a, lora_b,
+                  rank: int) -> Dict[str, torch.Tensor]:
     """One packed wrapper in SGLang's shared-outer names: the outer factor once (3D, expert dim 1), the
     inner one per expert; a one-line error when the experts' outer factors are not one tensor."""
     stem = f"{path}.{names[0]}"
@@ -141,7 +137,7 @@ def _shared_outer(path: str, names: tuple, parameter: str, lora_a, lora_b, rank:
     return out
 
 
-def _layout_config(config: dict, layout: str, names: tuple, tensors: Dict[str, torch.Tensor]) -> dict:
+def _layout_config(config: dict, layout: str, names: PerExpertNames, tensors: Dict[str, torch.Tensor]) -> dict:
     """adapter_config of the converted layout: experts as modules, not `target_parameters`."""
     if layout == "per_expert":
         config, modules = {**config, **_patterns(config, tensors, names)}, names[1:]
@@ -160,7 +156,7 @@ def convert(state: AdapterState, layout: str = "peft") -> AdapterState:
         return state
     if any(".layers." in entry for entry in state.config["target_parameters"]):
         raise LayoutError(f"{layout} needs every layer's experts adapted (target_parameters names single layers)")
-    names = PER_EXPERT_NAMES[state.family]
+    names = FAMILIES[state.family].per_expert
     write = _per_expert if layout == "per_expert" else _shared_outer
     packed = {key: _PACKED.match(key) for key in state.tensors}
     with_base = {match.group("layer") for match in packed.values() if match and match.group("base")}

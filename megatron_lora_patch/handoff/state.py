@@ -18,7 +18,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 
 from megatron_lora_patch.handoff import agreement, gather
-from megatron_lora_patch.lora.checkpoints import checkpoint
+from megatron_lora_patch.lora import inventory
 from megatron_lora_patch.lora.exchange import families, names, peft
 
 
@@ -60,7 +60,7 @@ def stream(chunks: Iterable[torch.nn.Module], family: Optional[str] = None, dst:
     by the resolver the export uses. `dst` holds at most one layer's logical adapter and its PEFT tensors at a
     time (plus what the caller keeps).
     """
-    config, units, _ = _stream(list(chunks), family, dst, timeout, "stream")
+    config, units, _, _ = _stream(list(chunks), family, dst, timeout, "stream")
     return config, units
 
 
@@ -72,13 +72,13 @@ def _check_dst(dst: int) -> None:
 
 
 def _stream(chunks: List[torch.nn.Module], family: Optional[str], dst: int, timeout: float,
-            call: str) -> Tuple[dict, Iterator[Tuple[str, Dict[str, torch.Tensor]]], str]:
-    """`stream`'s config and units, and the family resolved for the model."""
+            call: str) -> Tuple[dict, Iterator[Tuple[str, Dict[str, torch.Tensor]]], str, dict]:
+    """`stream`'s config and units, the family resolved for the model, and the model's description."""
     agreement.agree(call, dst, family, timeout)  # before anything that could fail on one rank only
     if family is not None:
         names.names_for(family)
     _check_dst(dst)
-    description = checkpoint.describe(chunks)
+    description = inventory.describe(chunks)  # the one walk of the model's adapters for its description
     family = families.resolve(description, family, what="the model")
     local = gather.local_tensors(chunks)
     chosen = gather.plan(local, dst)
@@ -89,7 +89,7 @@ def _stream(chunks: List[torch.nn.Module], family: Optional[str], dst: int, time
             logical = gather.collect(keys, chosen, local, dst)
             yield unit, (_to_peft(logical, description, family)[0] if logical else {})
 
-    return config, tensors(), family
+    return config, tensors(), family, description
 
 
 def adapter_state(chunks: Iterable[torch.nn.Module], family: Optional[str] = None, dst: int = 0,
@@ -98,10 +98,9 @@ def adapter_state(chunks: Iterable[torch.nn.Module], family: Optional[str] = Non
     and `dst`; other ranks get the config and no tensors; see `stream` for `family` and `timeout`). Equal, byte
     for byte, to `megatron-lora-patch export --family FAMILY` of a checkpoint the model would save now; load it
     with `peft.set_peft_model_state_dict` (docs/handoff.md section 1)."""
-    chunks = list(chunks)
-    config, units, family = _stream(chunks, family, dst, timeout, "adapter_state")
+    config, units, family, description = _stream(list(chunks), family, dst, timeout, "adapter_state")
     tensors: Dict[str, torch.Tensor] = {}
     for _, part in units:
         tensors.update(part)
-    shared = bool(checkpoint.describe(chunks).get("expert_shared_outer", False))
+    shared = bool(description.get("expert_shared_outer", False))
     return AdapterState(config, dict(sorted(tensors.items())), family, shared)

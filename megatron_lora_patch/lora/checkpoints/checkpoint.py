@@ -19,7 +19,7 @@ base weight beside it (docs/architecture.md section 4):
 The saved tensors are therefore the logical (world-size-1) factors, stacked over layers
 (and experts), and load onto any topology. `save_adapters` / `load_adapters` write and
 read an adapter-only checkpoint (the base weights are left out) with a description of
-the model in its common state, which `peft` export reads.
+the model in its common state (`lora/inventory.py` `describe`), which `peft` export reads.
 """
 
 from __future__ import annotations
@@ -33,22 +33,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
 from megatron_lora_patch.lora.adapters.metadata import ADAPTER_NAME
-from megatron_lora_patch.lora.checkpoints import architecture, staging
+from megatron_lora_patch.lora.checkpoints import staging
+from megatron_lora_patch.lora.inventory import DESCRIPTION_FORMAT, AdapterCheckpointError, describe, single_model
 from megatron_lora_patch.lora.layers import trained_fully
-from megatron_lora_patch.runtime.errors import UsageError
 
 #: Common-state entry of an adapter-only checkpoint: the model and LoRA description.
 DESCRIPTION_KEY = "megatron_lora_patch"
-#: Version of the description layout; bumped when its fields change meaning.
-DESCRIPTION_FORMAT = 1
-#: How the saved factors are laid out: fused qkv B rows per query group `[q heads, k, v]`,
-#: SwiGLU fc1 B rows `[gate; up]`, stacked over layers (axis 0) and experts (axis 1).
-LAYOUT = "megatron"
 _ADAPTER_SEGMENT = f".{ADAPTER_NAME}."
-
-
-class AdapterCheckpointError(UsageError, ValueError):
-    """An adapter checkpoint is missing, foreign or does not fit the model (the message is one line)."""
 
 
 def _data_parallel_rank(metadata: Optional[dict]) -> int:
@@ -132,59 +123,12 @@ def is_adapter_key(key: str) -> bool:
     return _ADAPTER_SEGMENT in key
 
 
-def adapters_of(chunks: Iterable[torch.nn.Module]) -> Dict[str, LoraAdapter]:
-    """Canonical module name -> adapter, over this rank's model chunks."""
-    found = {}
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, LoraAdapter):
-                found[module.module_name] = module
-    return found
-
-
-def single_model(chunks: Iterable[torch.nn.Module]) -> torch.nn.Module:
-    """The one model chunk of this rank, unwrapped from DDP / Float16Module (adapter checkpoints take one)."""
-    chunks = list(chunks)
-    if len(chunks) != 1:
-        raise AdapterCheckpointError(
-            f"adapter checkpoints take one model chunk per rank, got {len(chunks)} (virtual pipeline stages)"
-        )
-    model = chunks[0]
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module  # DDP / Float16Module wrappers
-    return model
-
-
 def adapter_only_sharded_state_dict(chunks: Iterable[torch.nn.Module]) -> Dict[str, Any]:
     """The model's sharded state dict restricted to adapter entries and fully trained weights
     (`modules_to_save`, described by Megatron itself: vocab-parallel shards); other base weights left out."""
     model = single_model(chunks)
     kept = trained_fully.state_keys(model)
     return {key: value for key, value in model.sharded_state_dict().items() if is_adapter_key(key) or key in kept}
-
-
-def describe(chunks: Iterable[torch.nn.Module]) -> Dict[str, Any]:
-    """Plain-data description of the model and its adapters (what an exporter needs besides tensors)."""
-    model = single_model(chunks)
-    config = model.config
-    adapters = list(adapters_of([model]).values())
-    if not adapters:
-        raise AdapterCheckpointError("the model has no LoRA adapters to save; attach them first (lora_linear patch)")
-    return {
-        "format": DESCRIPTION_FORMAT,
-        **adapters[0].lora_config.description(),  # rank, alpha, rslora, patterns, modules_to_save
-        "targets": sorted({adapter.module_name.rsplit(".", 1)[-1] for adapter in adapters}),
-        "layout": LAYOUT,
-        "num_layers": config.num_layers,
-        "hidden_size": config.hidden_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_query_groups": config.num_query_groups or config.num_attention_heads,
-        "kv_channels": config.kv_channels,
-        "gated_linear_unit": bool(config.gated_linear_unit),
-        "num_experts": config.num_moe_experts or 0,
-        "tied_embeddings": bool(getattr(model, "share_embeddings_and_output_weights", False)),
-        **architecture.fields(model),  # what a Hugging Face family must represent (export checks it)
-    }
 
 
 def _rank_zero() -> bool:

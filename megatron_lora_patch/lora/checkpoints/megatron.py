@@ -5,7 +5,7 @@ entry points Megatron-LM's `save_checkpoint` / `load_checkpoint` and `save_adapt
 `load_adapters` all go through:
 
 - **save**: a state that holds adapter tensors also gets the plugin's description (rank,
-  alpha, targets, layout and the model shape, `checkpoint.describe`) in its common state,
+  alpha, targets, layout and the model shape, `inventory.describe`) in its common state,
   so `megatron-lora-patch export` needs no flags for any checkpoint the plugin wrote; a
   Megatron-LM training checkpoint leaves the frozen base out (`workflow.trim_save`).
 - **load from a base checkpoint** (no adapter tensors in it, e.g. pretrained without the
@@ -25,6 +25,7 @@ import inspect
 import logging
 from typing import Any, Dict, Iterator, List, Tuple
 
+from megatron_lora_patch.lora import inventory
 from megatron_lora_patch.lora.checkpoints import checkpoint, workflow
 from megatron_lora_patch.lora.layers import attach
 from megatron_lora_patch.runtime.errors import UsageError
@@ -60,7 +61,7 @@ def _description_of(state: dict) -> Any:
     held = {id(entry.data) for _, entry in _adapter_slots(state)}
     for model in attach.attached_models():
         if any(id(param) in held for param in model.parameters()):
-            return checkpoint.describe([model])
+            return inventory.describe([model])
     return None
 
 

@@ -15,13 +15,13 @@ TE grouped experts alike (both name their adapters by global expert index, lora/
 When both parameters of a layer are adapted, peft nests the wrappers in the order the module
 declares its parameters: `experts.base_layer.lora_*` is `gate_up_proj`, `experts.lora_*` is `down_proj`.
 One wrapper has one r and alpha, so every expert of a layer and kind must share them.
-The router (`mlp.gate`) has no adapter. Families: NAME_TABLE in lora/exchange/names.py; expert names here.
+The router (`mlp.gate`) has no adapter. Each family's expert names: its record's `experts`
+(lora/exchange/family_table.py).
 Layouts: docs/architecture.md section 4.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Dict, Iterable, List, Set, Tuple
 
@@ -30,28 +30,12 @@ import torch
 from megatron_lora_patch.lora.config import LoraConfig
 from megatron_lora_patch.lora.exchange import checks
 from megatron_lora_patch.lora.exchange import names as peft
+from megatron_lora_patch.lora.exchange.family_table import FAMILIES, ExpertNames, with_experts
 from megatron_lora_patch.lora.exchange.names import PEFT_PREFIX
 
 _EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)$")
 #: Megatron linear -> position among the experts module's parameters (peft nests wrappers in this order).
 _ORDER = ("linear_fc1", "linear_fc2")
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertNames:
-    """Where a Hugging Face MoE family keeps its fused expert parameters (inside a decoder layer)."""
-
-    experts: str = "mlp.experts"
-    linear_fc1: str = "gate_up_proj"
-    linear_fc2: str = "down_proj"
-
-
-#: MoE families of transformers >= 5 (3D expert parameters).
-EXPERT_TABLE: Dict[str, ExpertNames] = {
-    "qwen3_moe": ExpertNames(),
-    "mixtral": ExpertNames(),
-    "qwen2_moe": ExpertNames(),
-}
 
 
 def is_expert(name: str) -> bool:
@@ -66,12 +50,13 @@ def _parse(name: str) -> Tuple[int, int, str]:
 
 
 def _expert_names(family: str) -> ExpertNames:
-    if family not in EXPERT_TABLE:
+    record = FAMILIES.get(family)
+    if record is None or record.experts is None:
         raise peft.PeftFormatError(
             f"model family {family!r} has no MoE experts in transformers; export MoE adapters with "
-            f"--family {' or '.join(EXPERT_TABLE)}"
+            f"--family {' or '.join(with_experts())}"
         )
-    return EXPERT_TABLE[family]
+    return record.experts
 
 
 def _layer_kinds(names: Iterable[str]) -> Dict[Tuple[int, str], Set[int]]:
@@ -155,7 +140,7 @@ def from_peft(
     if not expected:
         return {}, set()
     # An adapter peft wrote itself names no family (`read` says llama); the MoE families share expert names.
-    names = EXPERT_TABLE.get(family, ExpertNames())
+    names = getattr(FAMILIES.get(family), "experts", None) or ExpertNames()
     num_experts = description["num_experts"]
     kinds = _layer_kinds(expected)
     _check_complete(kinds, num_experts)

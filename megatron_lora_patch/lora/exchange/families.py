@@ -3,18 +3,9 @@
 A PEFT adapter is only as good as the base model it is loaded onto: exporting the adapters of a
 model built with Megatron's defaults (learned absolute positions, LayerNorm, a non-gated GeLU MLP)
 under Llama names would give an adapter no Llama can use. `resolve` compares what the checkpoint
-description records (lora/checkpoints/architecture.py, docs/architecture.md section 4) with what
-each family's `transformers` model can represent, and refuses with one line naming the mismatch:
-
-| family    | positions  | norm    | MLP             | q / k norm | experts | linear biases         |
-|-----------|------------|---------|-----------------|------------|---------|-----------------------|
-| llama     | rope, yarn | RMSNorm | gated (act*up)  | no         | no      | any (attention_bias, mlp_bias) |
-| mistral   | rope, yarn | RMSNorm | gated           | no         | no      | none                  |
-| qwen2     | rope, yarn | RMSNorm | gated           | no         | no      | q / k / v only        |
-| qwen3     | rope, yarn | RMSNorm | gated           | yes        | no      | q / k / v / o only    |
-| qwen3_moe | rope, yarn | RMSNorm | gated experts   | yes        | yes     | q / k / v / o only    |
-| mixtral   | rope, yarn | RMSNorm | gated experts   | no         | yes     | none                  |
-| qwen2_moe | rope, yarn | RMSNorm | gated experts   | no         | yes     | q / k / v only        |
+description records (lora/inventory.py `describe`, docs/architecture.md section 4) with what
+each family's `transformers` model can represent (its record in lora/exchange/family_table.py, whose
+docstring tabulates them), and refuses with one line naming the mismatch.
 
 Every family has `tie_word_embeddings` and `num_key_value_heads` (GQA), so tied embeddings and
 query groups never rule one out; a family with biases holds a model without them as zeros. The
@@ -28,10 +19,10 @@ are assumed to be what the family needs, and one warning says so.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Dict, List, Optional
 
+from megatron_lora_patch.lora.exchange.family_table import FAMILIES, Family
 from megatron_lora_patch.lora.exchange.names import PeftFormatError, names_for
 
 logger = logging.getLogger("megatron_lora_patch")
@@ -39,26 +30,6 @@ logger = logging.getLogger("megatron_lora_patch")
 #: Megatron activation functions transformers can name in `hidden_act` (the same names; squared_relu is relu2).
 HF_ACTIVATIONS = ("silu", "gelu", "quick_gelu", "squared_relu", "relu")
 _BIAS_LEVELS = ("none", "qkv", "attention", "all")  # each level holds the ones before it (as zeros)
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """What a family's `transformers` model can represent."""
-
-    qk_layernorm: bool
-    experts: bool
-    biases: str  # the most a model may use: one of _BIAS_LEVELS
-
-
-FAMILIES: Dict[str, Family] = {
-    "llama": Family(qk_layernorm=False, experts=False, biases="all"),
-    "mistral": Family(qk_layernorm=False, experts=False, biases="none"),
-    "qwen2": Family(qk_layernorm=False, experts=False, biases="qkv"),
-    "qwen3": Family(qk_layernorm=True, experts=False, biases="attention"),
-    "qwen3_moe": Family(qk_layernorm=True, experts=True, biases="attention"),
-    "mixtral": Family(qk_layernorm=False, experts=True, biases="none"),
-    "qwen2_moe": Family(qk_layernorm=False, experts=True, biases="qkv"),
-}
 
 
 def _needs(family: Family) -> Dict[str, object]:
@@ -88,9 +59,9 @@ def mismatches(description: dict, name: str) -> List[str]:
     if description.get("qk_layernorm", family.qk_layernorm) != family.qk_layernorm:
         found.append(f"{'' if description['qk_layernorm'] else 'no '}q / k layernorm "
                      f"({name}: {'with' if family.qk_layernorm else 'without'})")
-    if bool(description.get("num_experts")) != family.experts:
+    if bool(description.get("num_experts")) != family.moe:
         found.append(f"{'MoE' if description.get('num_experts') else 'dense'} layers "
-                     f"({name}: {'MoE' if family.experts else 'dense'})")
+                     f"({name}: {'MoE' if family.moe else 'dense'})")
     bias = _bias_level(description)
     if _BIAS_LEVELS.index(bias) > _BIAS_LEVELS.index(family.biases):
         found.append(f"{'all linear' if bias == 'all' else 'q / k / v'} biases ({name}: {family.biases})")

@@ -4,7 +4,7 @@ PEFT (0.21) saves a `modules_to_save` module's weight under the wrapped module's
 without the `modules_to_save.<adapter>` segment it has in memory, and `PeftModel.from_pretrained`
 maps it back: `base_model.model.lm_head.weight`, `base_model.model.model.embed_tokens.weight`;
 `adapter_config.json` lists the modules by last name (`["lm_head"]`). For the Llama-style
-families of `names.NAME_TABLE`:
+families of `family_table.FAMILIES`:
 
 | Megatron module            | Hugging Face module  | PEFT `modules_to_save` entry |
 |----------------------------|----------------------|------------------------------|

@@ -40,10 +40,10 @@ from megatron_lora_patch.lora.exchange import checks
 from megatron_lora_patch.lora.exchange import experts as peft_experts
 from megatron_lora_patch.lora.exchange import mlp as peft_mlp
 from megatron_lora_patch.lora.exchange import modules as peft_modules
+from megatron_lora_patch.lora.exchange.family_table import HfNames
 from megatron_lora_patch.lora.exchange.names import (
     LEGACY_METADATA_KEY,
     PEFT_PREFIX,
-    HfNames,
     Logical,
     PeftFormatError,
     names_for,

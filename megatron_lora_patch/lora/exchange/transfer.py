@@ -17,6 +17,7 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
+from megatron_lora_patch.lora import inventory
 from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
 from megatron_lora_patch.lora.adapters.layouts import shard
 from megatron_lora_patch.lora.checkpoints import checkpoint, staging
@@ -41,7 +42,7 @@ def logical_from_checkpoint(directory: str) -> Tuple[dict, Logical, Dict[str, to
     for key, tensor in plain.items():
         match = _STACKED_KEY.match(key)
         if match is None:
-            raise checkpoint.AdapterCheckpointError(f"{directory}: unexpected tensor {key!r} in an adapter checkpoint")
+            raise inventory.AdapterCheckpointError(f"{directory}: unexpected tensor {key!r} in an adapter checkpoint")
         module, factor = match.group("module"), match.group("factor")
         for layer, per_layer in enumerate(tensor.unbind(0)):  # axis 0: global layer index
             if module.startswith(_EXPERTS_KEY):  # SequentialMLP / TEGroupedMLP: `local_experts.<i>.` -> `experts.`
@@ -71,7 +72,7 @@ def _check_apart(checkpoint_dir: str, out_dir: str, names: ArgumentNames) -> Non
         return
     source, target = os.path.realpath(checkpoint_dir), os.path.realpath(out_dir)
     if os.path.commonpath([source, target]) in (source, target):
-        raise checkpoint.AdapterCheckpointError(
+        raise inventory.AdapterCheckpointError(
             f"{names.out} {out_dir} overlaps {names.checkpoint} {checkpoint_dir}; "
             "write the PEFT adapter to a directory outside the checkpoint"
         )
@@ -159,7 +160,7 @@ def _local_slices(
 def load_logical(chunks: Iterable[torch.nn.Module], logical: Logical) -> None:
     """Copy this rank's slices of `logical` (canonical name -> (A, B)) into its adapters."""
     with torch.no_grad():
-        for name, adapter in checkpoint.adapters_of(chunks).items():
+        for name, adapter in inventory.adapters_of(chunks).items():
             local_a, local_b = _local_slices(adapter, *logical[name])
             adapter.A.copy_(local_a)
             adapter.B.copy_(local_b)
@@ -185,8 +186,8 @@ def import_peft(chunks: Iterable[torch.nn.Module], peft_dir: str) -> None:
     """Load a PEFT LoRA adapter (with its `modules_to_save` weights) into this rank's adapters and fully
     trained weights (collective over the world: call on every rank)."""
     chunks = list(chunks)
-    description = checkpoint.describe(chunks)
-    local = checkpoint.adapters_of(chunks)
+    description = inventory.describe(chunks)
+    local = inventory.adapters_of(chunks)
     tensors, config, family = files.read(peft_dir)
     tensors, full = peft_modules.split(tensors, config, description, peft_dir, PeftFormatError)
     logical = peft.from_peft(tensors, config, description, _all_adapter_names(local), where=peft_dir, family=family)
@@ -194,4 +195,4 @@ def import_peft(chunks: Iterable[torch.nn.Module], peft_dir: str) -> None:
         {name: logical[name] for name in local}, {name: _logical_shapes(a) for name, a in local.items()}, peft_dir
     )
     load_logical(chunks, logical)
-    load_trained_fully(checkpoint.single_model(chunks), full, peft_dir)
+    load_trained_fully(inventory.single_model(chunks), full, peft_dir)
