@@ -12,6 +12,7 @@
 #   every other minor (0.13-0.16 on Python 3.11, 0.17-0.18 on 3.12): the runtime tests and
 #   `megatron-lora-patch oracle` on its default topologies;
 #   the newest minor again with a newer pinned torch ($NEWER_TORCH): the runtime tests and the oracle.
+#   Those other legs run two at a time after the whole suite (each leg's output is printed whole, in order).
 # pytest runs with `python -P`, so the checkout never shadows the installed wheel. A skip is a
 # failure unless it needs CUDA / Transformer Engine (tests/conftest.py).
 set -euo pipefail
@@ -104,19 +105,42 @@ marker=()
 [ "${SKIP_SLOW:-0}" = 1 ] && marker=(-m "not slow")
 "$python" -P -m pytest --durations=25 "${marker[@]}" || status=$?  # the slowest tests, to keep CI in its budget
 
-for minor in "${SMOKE[@]}"; do
-  echo "== megatron-core $minor.x (Python $(python_for "$minor")): runtime tests + the default oracle (at ${SECONDS} s)"
-  python=$(megatron_env "$minor" "$WHEEL")
-  versioned=("${VERSIONED_TESTS[@]}")
-  [ "$minor" = 0.13 ] && versioned=(tests/test_null_tokenizer.py)  # test_megatron_compat applies tp_invariant (0.14+)
-  "$python" -P -m pytest -q "${RUNTIME_TESTS[@]}" "${versioned[@]}" || status=$?
-  "$python" -P -m megatron_lora_patch oracle || status=$?
-done
+smoke_leg() {  # smoke_leg MINOR [TORCH]: the runtime tests (the versioned ones too) and the default oracle
+  local minor=$1 torch=${2:-$TORCH} python versioned=() rc=0
+  if [ "$torch" = "$TORCH" ]; then
+    echo "== megatron-core $minor.x (Python $(python_for "$minor")): runtime tests + the default oracle"
+    versioned=("${VERSIONED_TESTS[@]}")
+    [ "$minor" = 0.13 ] && versioned=(tests/test_null_tokenizer.py)  # test_megatron_compat applies tp_invariant (0.14+)
+  else
+    echo "== megatron-core $minor.x with $torch: runtime tests + the default oracle"
+  fi
+  python=$(megatron_env "$minor" "$WHEEL" "$torch")
+  "$python" -P -m pytest -q "${RUNTIME_TESTS[@]}" "${versioned[@]}" || rc=$?
+  "$python" -P -m megatron_lora_patch oracle || rc=$?
+  return $rc
+}
 
-echo "== megatron-core $NEWEST.x with $NEWER_TORCH: runtime tests + the default oracle (at ${SECONDS} s)"
-python=$(megatron_env "$NEWEST" "$WHEEL" "$NEWER_TORCH")
-"$python" -P -m pytest -q "${RUNTIME_TESTS[@]}" || status=$?
-"$python" -P -m megatron_lora_patch oracle || status=$?
+lane() {  # lane LEG...: each leg (MINOR or MINOR:TORCH) in turn, its output into $LOGS/LEG.log; fails if any did
+  local leg rc=0
+  for leg in "$@"; do
+    # a background job keeps errexit (a failed install stops its leg before the stamp); `|| ...` would not
+    smoke_leg ${leg/:/ } >"$LOGS/$leg.log" 2>&1 &
+    wait $! || { rc=1; echo "== leg $leg FAILED (its output above)" >>"$LOGS/$leg.log"; }
+  done
+  return $rc
+}
+
+# The other legs run in two lanes at once: most of their time is single-threaded interpreter start-up (a fresh
+# process per patch, per hook, per oracle rank), so two lanes keep both cores busy. Each leg's output is printed
+# whole, in order, once both lanes are done.
+LEGS=("${SMOKE[@]}" "$NEWEST:$NEWER_TORCH")
+LOGS=$(mktemp -d); trap 'rm -rf "$WHEELS" "$LOGS"' EXIT
+echo "== the other legs, in two lanes (at ${SECONDS} s): ${LEGS[*]}"
+lane "${LEGS[@]:0:1}" "${LEGS[@]:2:1}" "${LEGS[@]:4:1}" "${LEGS[@]:6}" & first=$!
+lane "${LEGS[@]:1:1}" "${LEGS[@]:3:1}" "${LEGS[@]:5:1}" & second=$!
+wait "$first" || status=1
+wait "$second" || status=1
+for leg in "${LEGS[@]}"; do cat "$LOGS/$leg.log"; done
 
 echo "== done in $SECONDS s"
 exit $status

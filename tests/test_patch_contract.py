@@ -4,14 +4,13 @@ apply -> every attribute its patcher recorded holds a megatron-lora-patch wrappe
 (its `__wrapped__` is the recorded original) -> apply again: same records, still wrapped once ->
 revert -> every recorded original is back (`is`), or the attribute is gone if the patch created it.
 Both import orders: Megatron imported before apply (one process, patch after patch), and apply
-before Megatron is imported (a fresh interpreter per patch, so nothing was imported earlier).
+before Megatron is imported (a fresh interpreter per patch, so nothing was imported earlier: one world
+whose rank r checks patch r, so the interpreters start side by side).
 """
 
 from __future__ import annotations
 
 import importlib
-
-import pytest
 
 from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.proof.testbed.patches import all_patch_names
@@ -99,8 +98,8 @@ def megatron_imported_first(rank, world_size, names):
     return {name: _contract(name, import_before=True) for name in names}
 
 
-def applied_before_import(rank, world_size, name):
-    return _contract(name, import_before=False)
+def applied_before_import(rank, world_size, names):
+    return _contract(names[rank], import_before=False)
 
 
 def _check(name: str, result: dict) -> None:
@@ -122,10 +121,11 @@ def test_every_patch_wraps_once_and_reverts_with_megatron_imported_first():
         _check(name, result)
 
 
-@pytest.mark.parametrize("name", PATCHES)
-def test_patch_wraps_once_and_reverts_when_applied_before_megatron_import(name):
-    result = run_world(applied_before_import, 1, args=(name,), name=f"contract-{name}", warnings="ignore")[0]
-    _check(name, result)
+def test_each_patch_wraps_once_and_reverts_when_applied_alone_before_megatron_import():
+    results = run_world(applied_before_import, len(PATCHES), args=(PATCHES,), name="contract-apply-first",
+                        warnings="ignore")
+    for name, result in zip(PATCHES, results):
+        _check(name, result)
 
 
 def test_every_patch_is_covered():
