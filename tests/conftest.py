@@ -88,6 +88,24 @@ def run_fresh(args: list[str], **env: str) -> subprocess.CompletedProcess:
     )
 
 
+def run_in_process(args: list[str]) -> subprocess.CompletedProcess:
+    """`megatron-lora-patch <args>` through `cli.main` in this process, its exit status and output as a
+    CompletedProcess: what `run_fresh(["-m", "megatron_lora_patch", *args])` checks of a CLI mistake, without a
+    fresh interpreter's start-up (seconds per case). Each test file keeps a fresh-process case of its own."""
+    import contextlib
+    import io
+
+    from megatron_lora_patch import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(args)
+        except SystemExit as stop:  # argparse's usage errors (2) and --help (0)
+            code = stop.code if isinstance(stop.code, int) else 1
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 #: The only reasons a test may skip when LORA_PATCH_TEST_STRICT_SKIPS=1 (scripts/run-tests.sh):
 #: a skipped test proves nothing, so anything else that skips fails the run. "Not applicable to this
 #: Megatron-Core" is allowed only for test files that scripts/run-tests.sh also runs on the minors

@@ -1,9 +1,10 @@
 """`export` and `save_adapters` fail closed: one line per user mistake, nothing overwritten, bugs keep tracebacks.
 
 One world-1 run (module fixture) writes a base-model checkpoint and two adapter
-checkpoints (`persistence_worker.overwrite_world`); every CLI case then runs
-`python -m megatron_lora_patch export ...` in a fresh process and asserts the exit
-status and the exact one-line message, and that refused targets keep their bytes.
+checkpoints (`persistence_worker.overwrite_world`), and `python -m megatron_lora_patch export`
+exports them in a fresh process; every CLI case then runs `megatron-lora-patch export ...` through
+`cli.main` (`run_in_process`; an argparse error in a fresh process too) and asserts the exit status and
+the exact one-line message, and that refused targets keep their bytes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import shutil
 
 import persistence_worker as worker
 import pytest
-from conftest import assert_one_line_error, run_fresh
+from conftest import assert_one_line_error, run_fresh, run_in_process
 from safetensors.torch import load_file
 
 from megatron_lora_patch import cli
@@ -35,7 +36,8 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("fail-closed")
     result = run_world(worker.overwrite_world, 1, args=("tp1", SPEC, SEED, str(root)), name="tp1", timeout=240)[0]
     peft_dir = root / "peft"
-    done = export(result["paths"]["adapters"], peft_dir)
+    done = run_fresh(["-m", "megatron_lora_patch", "export", "--checkpoint", str(result["paths"]["adapters"]),
+                      "--out", str(peft_dir)])
     assert done.returncode == 0 and done.stdout == f"wrote {PEFT_TENSORS} tensors to {peft_dir}\n", done.stderr[-3000:]
     return {
         "root": root,
@@ -46,9 +48,7 @@ def saved(tmp_path_factory):
 
 
 def export(checkpoint, out, *options: str):
-    return run_fresh(
-        ["-m", "megatron_lora_patch", "export", "--checkpoint", str(checkpoint), "--out", str(out), *options]
-    )
+    return run_in_process(["export", "--checkpoint", str(checkpoint), "--out", str(out), *options])
 
 
 def tree(directory: pathlib.Path) -> dict:

@@ -1,8 +1,9 @@
 """Fail closed, oracle edition: every bad `megatron-lora-patch oracle` input is ONE line and exit 2
 before any world is spawned, and the oracle's verdicts cannot be fooled by its own options.
 
-Each bad input runs in a fresh process (`run_fresh`), as a user would type it; no test here
-spawns a world except the two at the end (a failed reference run, and --steps 10 on tp2/tp2-sp).
+Each bad input runs through `cli.main` as a user would type it (`run_in_process`); a misspelled
+MEGATRON_PLUGINS, a missing matplotlib and the two runs at the end (a failed reference run, and --steps 10
+on tp2/tp2-sp) run in fresh processes. No test here spawns a world except those two runs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pathlib
 import textwrap
 
 import pytest
-from conftest import assert_one_line_error, run_fresh
+from conftest import assert_one_line_error, run_fresh, run_in_process
 
 from megatron_lora_patch.proof.oracle import harness
 from megatron_lora_patch.proof.oracle.metrics import PhaseMetrics, compare_tensors
@@ -120,7 +121,7 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_oracle_input_is_one_line_before_any_world(case):
     arguments, message = BAD_INPUTS[case]
-    result = run_fresh(ORACLE + arguments)
+    result = run_in_process(["oracle", *arguments])
     assert_one_line_error(result, message, returncode=2)
     assert result.stdout == ""  # no table, no verdict: nothing ran
 
@@ -135,7 +136,7 @@ def test_preflight_checks_its_report_path_and_timeout_before_any_run(tmp_path, o
     dense = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
              "--micro-batch-size 1 --global-batch-size 4 --lr 1e-4 --train-iters 10 --mock-data "
              "--tokenizer-type NullTokenizer --vocab-size 128 --tensor-model-parallel-size 2").split()
-    result = run_fresh(["-m", "megatron_lora_patch", "preflight", *options, "--", *dense])
+    result = run_in_process(["preflight", *options, "--", *dense])
     assert_one_line_error(result, message, returncode=2)
     assert result.stdout == ""  # no plan summary: nothing ran
 
