@@ -8,7 +8,6 @@ per-expert layout (`handoff.convert`) and `export --help`; nothing else needs a 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import subprocess
 import sys
 
@@ -83,16 +82,18 @@ def test_a_new_record_is_read_by_the_export_of_experts(toy):
     assert experts.target_parameters(["model.blocks.0.mlp.experts.w_out"], "toy_moe", 1) == ["mlp.experts.w_out"]
 
 
-def test_a_new_record_is_read_by_the_per_expert_layout(toy, monkeypatch):
-    # the packed input layout is `model.layers.<i>.mlp.experts` for every family (handoff/moe_layouts.py)
-    monkeypatch.setitem(family_table.FAMILIES, "toy_moe", dataclasses.replace(toy, names=family_table.HfNames()))
-    wrapper = "base_model.model.model.layers.0.mlp.experts"
-    config = {"r": 1, "lora_alpha": 2, "target_modules": [], "target_parameters": ["mlp.experts.down_proj"]}
+def test_a_new_record_is_read_by_the_per_expert_layout(toy):
+    """The packed input in the record's names (layers `model.blocks`, fc2 `w_out`), per-expert output in its
+    per-expert names, its rank pattern re-keyed from the packed parameter's path."""
+    wrapper = "base_model.model.model.blocks.0.mlp.experts"
+    config = {"r": 1, "lora_alpha": 2, "target_modules": [], "target_parameters": ["mlp.experts.w_out"],
+              "rank_pattern": {"model.blocks.0.mlp.experts.w_out": 2}}  # rank 2: one expert
     state = AdapterState(config, {f"{wrapper}.lora_A.weight": torch.ones(2, 3),
                                   f"{wrapper}.lora_B.weight": torch.ones(4, 2)}, "toy_moe")
     converted = convert(state, "per_expert")
-    assert sorted(converted.tensors) == [f"base_model.model.model.layers.0.moe.experts.{e}.w_down.lora_{f}.weight"
-                                         for e in range(2) for f in "AB"]
+    assert sorted(converted.tensors) == [f"base_model.model.model.blocks.0.moe.experts.0.w_down.lora_{f}.weight"
+                                         for f in "AB"]
+    assert converted.config["rank_pattern"] == {"w_down": 2}  # the packed parameter's pattern, re-keyed
     assert converted.config["target_modules"] == ["w_down", "w_gate", "w_up"]
     with pytest.raises(PeftFormatError, match="is known for qwen3_moe, mixtral, qwen2_moe, toy_moe "):
         convert(AdapterState(config, state.tensors, "llama"), "per_expert")

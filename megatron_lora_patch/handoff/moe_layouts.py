@@ -37,7 +37,7 @@ import torch
 from megatron_lora_patch.handoff.state import AdapterState
 from megatron_lora_patch.lora.adapters.layouts import fc1_to_gate_up
 from megatron_lora_patch.lora.exchange.checks import peft_pattern_value
-from megatron_lora_patch.lora.exchange.family_table import FAMILIES, PerExpertNames, with_per_expert
+from megatron_lora_patch.lora.exchange.family_table import FAMILIES, Family, PerExpertNames, with_per_expert
 from megatron_lora_patch.lora.exchange.names import PEFT_PREFIX, PeftFormatError
 from megatron_lora_patch.lora.exchange.peft import pattern_keys
 
@@ -49,7 +49,19 @@ LOADERS = {
     "shared_outer": "SGLang --experts-shared-outer-loras (LoRAMemoryPool.load_lora_weight_to_buffer)",
 }
 SHARED_OUTER_OPTION = "MEGATRON_LORA_EXPERT_SHARED_OUTER=1"
-_PACKED = re.compile(r"^(?P<layer>.+\.layers\.\d+)\.mlp\.experts(?P<base>\.base_layer)?\.lora_(?P<f>[AB])\.weight$")
+#: SGLang's names of the experts' two projections under --experts-shared-outer-loras, whatever the family.
+SGLANG_SHARED_OUTER = ("gate_up_proj", "down_proj")
+
+
+def _layer(family: Family) -> str:
+    """A pattern of one decoder layer's path (`...model.layers.<i>`, the family's layer list)."""
+    return rf"(?P<layer>.+\.{re.escape(family.names.layers.rsplit('.', 1)[-1])}\.\d+)"
+
+
+def _packed(family: Family) -> re.Pattern:
+    """The key of a packed expert wrapper's factor in the family's names (lora/exchange/experts.py)."""
+    experts = re.escape(family.experts.experts)
+    return re.compile(rf"^{_layer(family)}\.{experts}(?P<base>\.base_layer)?\.lora_(?P<f>[AB])\.weight$")
 
 
 class LayoutError(PeftFormatError):
@@ -76,16 +88,16 @@ def _check(layout: str, state: AdapterState) -> None:
                               f"{state.config[field]} would be ignored); train without it for layout 'shared_outer'")
 
 
-def _parameter(config: dict, layer_path: str, base: bool, layers_with_base: set) -> str:
-    """`gate_up_proj` or `down_proj`: which 3D parameter a packed wrapper adapts (peft nests them in
-    declaration order, so `base_layer` is gate_up when both are adapted)."""
+def _adapts_fc1(config: dict, layer_path: str, base: bool, layers_with_base: set, fc1: str) -> bool:
+    """Whether a packed wrapper adapts the experts' fc1 (gate_up, named `fc1` in the family) rather than fc2
+    (down): peft nests them in declaration order, so `base_layer` is fc1 when both are adapted."""
     if base or layer_path in layers_with_base:
-        return "gate_up_proj" if base else "down_proj"
+        return base
     targets = {entry.rsplit(".", 1)[-1] for entry in config.get("target_parameters") or ()}
-    return "gate_up_proj" if targets == {"gate_up_proj"} else "down_proj"
+    return targets == {fc1}
 
 
-def _per_expert(path: str, names: PerExpertNames, parameter: str, lora_a, lora_b, rank: int) -> Dict[str, torch.Tensor]:
+def _per_expert(path: str, names: PerExpertNames, fc1: bool, lora_a, lora_b, rank: int) -> Dict[str, torch.Tensor]:
     """Expert e's (A, B) of one packed wrapper, under per-expert module names."""
     experts, gate, up, down = names
     num = lora_a.shape[0] // rank
@@ -93,7 +105,7 @@ def _per_expert(path: str, names: PerExpertNames, parameter: str, lora_a, lora_b
     out = {}
     for e in range(num):
         b = per_b[..., e]
-        pieces = list(zip((gate, up), fc1_to_gate_up(b))) if parameter == "gate_up_proj" else [(down, b)]
+        pieces = list(zip((gate, up), fc1_to_gate_up(b))) if fc1 else [(down, b)]
         for projection, part in pieces:
             stem = f"{path}.{experts}.{e}.{projection}"
             out[f"{stem}.lora_A.weight"] = per_a[e].clone().contiguous()
@@ -101,33 +113,33 @@ def _per_expert(path: str, names: PerExpertNames, parameter: str, lora_a, lora_b
     return out
 
 
-def _patterns(config: dict, tensors: Dict[str, torch.Tensor], names: PerExpertNames) -> dict:
+def _patterns(config: dict, tensors: Dict[str, torch.Tensor], family: Family) -> dict:
     """rank_pattern / alpha_pattern of the converted modules: each module's value is the packed config's for
-    the parameter it came from (gate / up: `gate_up_proj`, down: `down_proj`), keyed again by `pattern_keys`
-    (a key that would also match the shared experts' or attention's projections is lengthened)."""
-    experts, _, _, down = names
-    per_expert = re.compile(rf"^(?P<layer>.+\.layers\.\d+)\.{re.escape(experts)}\.\d+\.(?P<projection>[^.]+)$")
+    the parameter it came from (gate / up: fc1, down: fc2), keyed again by `pattern_keys` (a key that would
+    also match the shared experts' or attention's projections is lengthened)."""
+    (experts, _, _, down), packed = family.per_expert, family.experts
+    per_expert = re.compile(rf"^{_layer(family)}\.{re.escape(experts)}\.\d+\.(?P<projection>[^.]+)$")
     paths = [key[len(PEFT_PREFIX) : -len(".lora_A.weight")] for key in tensors if key.endswith(".lora_A.weight")]
     fields = {}
     for field, default in (("rank_pattern", config["r"]), ("alpha_pattern", config["lora_alpha"])):
         values = {}
         for path in paths:
             match = per_expert.match(path)
-            parameter = match and ("down_proj" if match.group("projection") == down else "gate_up_proj")
-            source = f"{match.group('layer')}.mlp.experts.{parameter}" if match else path
+            parameter = match and (packed.linear_fc2 if match.group("projection") == down else packed.linear_fc1)
+            source = f"{match.group('layer')}.{packed.experts}.{parameter}" if match else path
             values[path] = peft_pattern_value(config.get(field) or {}, source, default)
         fields[field] = pattern_keys(values, default)
     return fields
 
 
-def _shared_outer(path: str, names: PerExpertNames, parameter: str, lora_a, lora_b,
-                  rank: int) -> Dict[str, torch.Tensor]:
+def _shared_outer(path: str, names: PerExpertNames, fc1: bool, lora_a, lora_b, rank: int) -> Dict[str, torch.Tensor]:
     """One packed wrapper in SGLang's shared-outer names: the outer factor once (3D, expert dim 1), the
     inner one per expert; a one-line error when the experts' outer factors are not one tensor."""
     stem = f"{path}.{names[0]}"
     num = lora_a.shape[0] // rank
     per_a, per_b = lora_a.reshape(num, rank, -1), lora_b.reshape(lora_b.shape[0], rank, num).permute(2, 0, 1)
-    outer, inner, kind = (per_a, per_b, "lora_A") if parameter == "gate_up_proj" else (per_b, per_a, "lora_B")
+    parameter = SGLANG_SHARED_OUTER[0 if fc1 else 1]
+    outer, inner, kind = (per_a, per_b, "lora_A") if fc1 else (per_b, per_a, "lora_B")
     if not all(torch.equal(outer[e], outer[0]) for e in range(num)):
         raise LayoutError(f"the experts of {path} hold different {parameter} {kind} factors, not one shared one; "
                           f"layout 'shared_outer' needs a model trained with {SHARED_OUTER_OPTION}")
@@ -137,12 +149,12 @@ def _shared_outer(path: str, names: PerExpertNames, parameter: str, lora_a, lora
     return out
 
 
-def _layout_config(config: dict, layout: str, names: PerExpertNames, tensors: Dict[str, torch.Tensor]) -> dict:
+def _layout_config(config: dict, layout: str, family: Family, tensors: Dict[str, torch.Tensor]) -> dict:
     """adapter_config of the converted layout: experts as modules, not `target_parameters`."""
     if layout == "per_expert":
-        config, modules = {**config, **_patterns(config, tensors, names)}, names[1:]
+        config, modules = {**config, **_patterns(config, tensors, family)}, family.per_expert[1:]
     else:
-        config, modules = dict(config), ("gate_up_proj", "down_proj")
+        config, modules = dict(config), SGLANG_SHARED_OUTER
     config.pop("target_parameters")
     config["target_modules"] = sorted(set(config["target_modules"]) | set(modules))
     return config
@@ -154,21 +166,24 @@ def convert(state: AdapterState, layout: str = "peft") -> AdapterState:
     _check(layout, state)
     if layout == "peft" or not state.config.get("target_parameters"):
         return state
-    if any(".layers." in entry for entry in state.config["target_parameters"]):
+    family = FAMILIES[state.family]
+    layer_list = f".{family.names.layers.rsplit('.', 1)[-1]}."
+    if any(layer_list in entry for entry in state.config["target_parameters"]):
         raise LayoutError(f"{layout} needs every layer's experts adapted (target_parameters names single layers)")
-    names = FAMILIES[state.family].per_expert
     write = _per_expert if layout == "per_expert" else _shared_outer
-    packed = {key: _PACKED.match(key) for key in state.tensors}
+    pattern = _packed(family)
+    packed = {key: pattern.match(key) for key in state.tensors}
     with_base = {match.group("layer") for match in packed.values() if match and match.group("base")}
     tensors = {key: value for key, value in state.tensors.items() if packed[key] is None}
     for key, match in packed.items():
         if match is None or match.group("f") == "B":
             continue
         layer, base = match.group("layer"), bool(match.group("base"))
-        parameter = _parameter(state.config, layer, base, with_base)
-        hf_path = f"{layer[len(PEFT_PREFIX):]}.mlp.experts.{parameter}"
+        fc1 = _adapts_fc1(state.config, layer, base, with_base, family.experts.linear_fc1)
+        parameter = family.experts.linear_fc1 if fc1 else family.experts.linear_fc2
+        hf_path = f"{layer[len(PEFT_PREFIX):]}.{family.experts.experts}.{parameter}"
         rank = int(peft_pattern_value(state.config.get("rank_pattern") or {}, hf_path, state.config["r"]))
         lora_b = state.tensors[key[: -len("lora_A.weight")] + "lora_B.weight"]
-        tensors.update(write(layer, names, parameter, state.tensors[key], lora_b, rank))
-    config = _layout_config(state.config, layout, names, tensors)
+        tensors.update(write(layer, family.per_expert, fc1, state.tensors[key], lora_b, rank))
+    config = _layout_config(state.config, layout, family, tensors)
     return dataclasses.replace(state, config=config, tensors=dict(sorted(tensors.items())))
