@@ -12,7 +12,8 @@
 #   every other minor (0.13-0.16 on Python 3.11, 0.17-0.18 on 3.12): the runtime tests and
 #   `megatron-lora-patch oracle` on its default topologies;
 #   the newest minor again with a newer pinned torch ($NEWER_TORCH): the runtime tests and the oracle.
-#   Those other legs run two at a time after the whole suite (each leg's output is printed whole, in order).
+#   The whole suite runs in two lanes (alphabetical halves of the test files), then the other legs two at a time
+#   (each lane's and leg's output is printed whole, in order).
 # pytest runs with `python -P`, so the checkout never shadows the installed wheel. A skip is a
 # failure unless it needs CUDA / Transformer Engine (tests/conftest.py).
 set -euo pipefail
@@ -94,16 +95,25 @@ lint_env() {  # lint_env -> path of a venv holding the pinned linter (built once
 echo "== lint: ruff check (pyproject.toml [tool.ruff])"
 "$(lint_env)/bin/ruff" check --no-cache . || status=$?
 
-WHEELS=$(mktemp -d); trap 'rm -rf "$WHEELS"' EXIT
+WHEELS=$(mktemp -d); LOGS=$(mktemp -d); trap 'rm -rf "$WHEELS" "$LOGS"' EXIT
 "$(base_env 3.11)/bin/python" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$WHEELS" . >&2
 rm -rf build ./*.egg-info
 WHEEL=$(ls "$WHEELS"/*.whl)
 
-echo "== megatron-core $NEWEST.x (Python $(python_for $NEWEST)): full suite (at ${SECONDS} s)"
+# The whole suite runs in two lanes at once, the test files split in alphabetical halves: much of a test's time
+# is single-threaded (interpreter start-up, Megatron's import), so one lane leaves a core idle. The first lane
+# prints as it goes, the second when both are done; each names its 15 slowest tests (to keep CI in its budget).
+echo "== megatron-core $NEWEST.x (Python $(python_for $NEWEST)): full suite, in two lanes (at ${SECONDS} s)"
 python=$(megatron_env "$NEWEST" "$WHEEL")
 marker=()
 [ "${SKIP_SLOW:-0}" = 1 ] && marker=(-m "not slow")
-"$python" -P -m pytest --durations=25 "${marker[@]}" || status=$?  # the slowest tests, to keep CI in its budget
+suite=(tests/test_*.py); half=$(( ${#suite[@]} / 2 ))
+"$python" -P -m pytest -p no:cacheprovider --durations=15 "${marker[@]}" "${suite[@]:half}" >"$LOGS/suite.log" 2>&1 &
+second=$!
+"$python" -P -m pytest -p no:cacheprovider --durations=15 "${marker[@]}" "${suite[@]:0:half}" || status=$?
+wait "$second" || status=$?
+echo "== the second lane of the full suite (${suite[half]} onwards)"
+cat "$LOGS/suite.log"
 
 smoke_leg() {  # smoke_leg MINOR [TORCH]: the runtime tests (the versioned ones too) and the default oracle
   local minor=$1 torch=${2:-$TORCH} python versioned=() rc=0
@@ -134,7 +144,6 @@ lane() {  # lane LEG...: each leg (MINOR or MINOR:TORCH) in turn, its output int
 # process per patch, per hook, per oracle rank), so two lanes keep both cores busy. Each leg's output is printed
 # whole, in order, once both lanes are done.
 LEGS=("${SMOKE[@]}" "$NEWEST:$NEWER_TORCH")
-LOGS=$(mktemp -d); trap 'rm -rf "$WHEELS" "$LOGS"' EXIT
 echo "== the other legs, in two lanes (at ${SECONDS} s): ${LEGS[*]}"
 lane "${LEGS[@]:0:1}" "${LEGS[@]:2:1}" "${LEGS[@]:4:1}" "${LEGS[@]:6}" & first=$!
 lane "${LEGS[@]:1:1}" "${LEGS[@]:3:1}" "${LEGS[@]:5:1}" & second=$!
