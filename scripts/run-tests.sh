@@ -12,7 +12,7 @@
 #   every other minor (0.13-0.16 on Python 3.11, 0.17-0.18 on 3.12): the runtime tests and
 #   `megatron-lora-patch oracle` on its default topologies;
 #   the newest minor again with a newer pinned torch ($NEWER_TORCH): the runtime tests and the oracle.
-#   The whole suite runs in two lanes (alphabetical halves of the test files), then the other legs two at a time
+#   The whole suite runs in two lanes (the test files dealt alternately), then the other legs two at a time
 #   (each lane's and leg's output is printed whole, in order).
 # pytest runs with `python -P`, so the checkout never shadows the installed wheel. A skip is a
 # failure unless it needs CUDA / Transformer Engine (tests/conftest.py).
@@ -100,19 +100,23 @@ WHEELS=$(mktemp -d); LOGS=$(mktemp -d); trap 'rm -rf "$WHEELS" "$LOGS"' EXIT
 rm -rf build ./*.egg-info
 WHEEL=$(ls "$WHEELS"/*.whl)
 
-# The whole suite runs in two lanes at once, the test files split in alphabetical halves: much of a test's time
-# is single-threaded (interpreter start-up, Megatron's import), so one lane leaves a core idle. The first lane
-# prints as it goes, the second when both are done; each names its 15 slowest tests (to keep CI in its budget).
+# The whole suite runs in two lanes at once, the test files dealt alternately (the heavy Megatron-LM, oracle and
+# matrix files cluster alphabetically): much of a test's time is single-threaded (interpreter start-up,
+# Megatron's import), so one lane leaves a core idle. The first lane prints as it goes, the second when both are
+# done; each names its 15 slowest tests (to keep CI in its budget).
 echo "== megatron-core $NEWEST.x (Python $(python_for $NEWEST)): full suite, in two lanes (at ${SECONDS} s)"
 python=$(megatron_env "$NEWEST" "$WHEEL")
 marker=()
 [ "${SKIP_SLOW:-0}" = 1 ] && marker=(-m "not slow")
-suite=(tests/test_*.py); half=$(( ${#suite[@]} / 2 ))
-"$python" -P -m pytest -p no:cacheprovider --durations=15 "${marker[@]}" "${suite[@]:half}" >"$LOGS/suite.log" 2>&1 &
-second=$!
-"$python" -P -m pytest -p no:cacheprovider --durations=15 "${marker[@]}" "${suite[@]:0:half}" || status=$?
-wait "$second" || status=$?
-echo "== the second lane of the full suite (${suite[half]} onwards)"
+first=(); second=()
+for file in tests/test_*.py; do
+  if [ $(( ${#first[@]} + ${#second[@]} )) -eq $(( 2 * ${#first[@]} )) ]; then first+=("$file"); else second+=("$file"); fi
+done
+"$python" -P -m pytest -p no:cacheprovider --durations=15 "${marker[@]}" "${second[@]}" >"$LOGS/suite.log" 2>&1 &
+second_lane=$!
+"$python" -P -m pytest -p no:cacheprovider --durations=15 "${marker[@]}" "${first[@]}" || status=$?
+wait "$second_lane" || status=$?
+echo "== the second lane of the full suite: ${second[*]}"
 cat "$LOGS/suite.log"
 
 smoke_leg() {  # smoke_leg MINOR [TORCH]: the runtime tests (the versioned ones too) and the default oracle
