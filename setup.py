@@ -4,7 +4,8 @@
   as `megatron_lora_patch.patches` through setuptools' package-dir mapping below; `[tool.setuptools.packages.find]`
   cannot add a remapped package, so the whole list is here. No top-level `patches` package is installed. An
   editable install (`pip install -e .`) maps the same name through setuptools' editable finder; a bare checkout
-  through `megatron_lora_patch/_checkout.py`. Checked by tests/test_bootstrap.py (wheel and editable install).
+  through `megatron_lora_patch/_checkout.py`. Checked by tests/test_bootstrap.py (wheel) and
+  tests/test_editable_install.py.
 - The start-up hook `megatron_lora_patch-init.pth` must sit at the wheel's root (site-packages), beside the
   package, and setuptools has no declarative way to put a file there. Editable installs get it too: without it
   a training process would get no patch at all.
@@ -41,7 +42,7 @@ class BuildWithStartupHook(build_py):
 class EditableWithStartupHook(editable_wheel):
     """The editable wheel's root is written from `installation_dir` (setuptools 64+ puts its
     namespace `.pth` files there through this method); add ours next to them. Checked by
-    tests/test_bootstrap.py::test_editable_install_has_the_start_up_hook."""
+    tests/test_editable_install.py::test_editable_install_has_the_start_up_hook."""
 
     def _install_namespaces(self, installation_dir, pth_prefix):  # type: ignore[no-untyped-def]
         super()._install_namespaces(installation_dir, pth_prefix)
