@@ -53,9 +53,14 @@ SHARED_OUTER_OPTION = "MEGATRON_LORA_EXPERT_SHARED_OUTER=1"
 SGLANG_SHARED_OUTER = ("gate_up_proj", "down_proj")
 
 
+def _layer_list(family: Family) -> str:
+    """The last name of the family's layer list (`layers` of `model.layers`): it stands before a layer index."""
+    return family.names.layers.rsplit(".", 1)[-1]
+
+
 def _layer(family: Family) -> str:
     """A pattern of one decoder layer's path (`...model.layers.<i>`, the family's layer list)."""
-    return rf"(?P<layer>.+\.{re.escape(family.names.layers.rsplit('.', 1)[-1])}\.\d+)"
+    return rf"(?P<layer>.+\.{re.escape(_layer_list(family))}\.\d+)"
 
 
 def _packed(family: Family) -> re.Pattern:
@@ -167,8 +172,7 @@ def convert(state: AdapterState, layout: str = "peft") -> AdapterState:
     if layout == "peft" or not state.config.get("target_parameters"):
         return state
     family = FAMILIES[state.family]
-    layer_list = f".{family.names.layers.rsplit('.', 1)[-1]}."
-    if any(layer_list in entry for entry in state.config["target_parameters"]):
+    if any(f".{_layer_list(family)}." in entry for entry in state.config["target_parameters"]):
         raise LayoutError(f"{layout} needs every layer's experts adapted (target_parameters names single layers)")
     write = _per_expert if layout == "per_expert" else _shared_outer
     pattern = _packed(family)
