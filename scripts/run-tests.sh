@@ -12,8 +12,8 @@
 #   every other minor (0.13-0.16 on Python 3.11, 0.17-0.18 on 3.12): the runtime tests and
 #   `megatron-lora-patch oracle` on its default topologies;
 #   the newest minor again with a newer pinned torch ($NEWER_TORCH): the runtime tests and the oracle.
-#   The whole suite runs in two lanes (the test files dealt alternately), then the other legs two at a time
-#   (each lane's and leg's output is printed whole, in order).
+#   The whole suite runs in two lanes (a shared queue of test files, longest first), then the other legs two at
+#   a time (each leg's output printed whole, in order).
 # pytest runs with `python -P`, so the checkout never shadows the installed wheel. A skip is a
 # failure unless it needs CUDA / Transformer Engine (tests/conftest.py).
 set -euo pipefail
@@ -100,24 +100,14 @@ WHEELS=$(mktemp -d); LOGS=$(mktemp -d); trap 'rm -rf "$WHEELS" "$LOGS"' EXIT
 rm -rf build ./*.egg-info
 WHEEL=$(ls "$WHEELS"/*.whl)
 
-# The whole suite runs in two lanes at once, the test files dealt alternately (the heavy Megatron-LM, oracle and
-# matrix files cluster alphabetically): much of a test's time is single-threaded (interpreter start-up,
-# Megatron's import), so one lane leaves a core idle. The first lane prints as it goes, the second when both are
-# done; each names its 15 slowest tests (to keep CI in its budget).
+# The whole suite runs in two lanes (scripts/suite_lanes.py): one pytest per test file, each lane taking the next
+# file from a shared queue, longest first by the last run's times ($CACHE/suite-times.json). Much of a test's time is
+# single-threaded (interpreter start-up, Megatron's import), so one lane would leave a core idle.
 echo "== megatron-core $NEWEST.x (Python $(python_for $NEWEST)): full suite, in two lanes (at ${SECONDS} s)"
 python=$(megatron_env "$NEWEST" "$WHEEL")
 marker=()
 [ "${SKIP_SLOW:-0}" = 1 ] && marker=(-m "not slow")
-first=(); second=()
-for file in tests/test_*.py; do
-  if [ $(( ${#first[@]} + ${#second[@]} )) -eq $(( 2 * ${#first[@]} )) ]; then first+=("$file"); else second+=("$file"); fi
-done
-"$python" -P -m pytest -p no:cacheprovider --durations=15 "${marker[@]}" "${second[@]}" >"$LOGS/suite.log" 2>&1 &
-second_lane=$!
-"$python" -P -m pytest -p no:cacheprovider --durations=15 "${marker[@]}" "${first[@]}" || status=$?
-wait "$second_lane" || status=$?
-echo "== the second lane of the full suite: ${second[*]}"
-cat "$LOGS/suite.log"
+"$python" scripts/suite_lanes.py --lanes 2 --record "$CACHE/suite-times.json" "$python" "${marker[@]}" || status=$?
 
 smoke_leg() {  # smoke_leg MINOR [TORCH]: the runtime tests (the versioned ones too) and the default oracle
   local minor=$1 torch=${2:-$TORCH} python versioned=() rc=0

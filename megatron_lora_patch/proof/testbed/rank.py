@@ -73,16 +73,32 @@ def quiet_logging() -> None:
     logging.getLogger("megatron_lora_patch").setLevel(logging.WARNING)
 
 
+def adopt_fd(inherited: Any) -> int:
+    """The rank's copy of a descriptor the launcher passed (`multiprocessing.reduction.DupFd`)."""
+    return inherited.detach()
+
+
 def rank_main(
-    payload: bytes, env: dict[str, str], conn: Any, parent_pid: int, stack_file: str, warnings_action: str = "default"
+    payload: bytes, env: dict[str, str], conn: Any, stack_file: str, warnings_action: str, stdout: int, stderr: int
 ) -> None:
-    """Entry point of a rank process: isolate, configure, run ``fn``, send one message back."""
+    """Entry point of a rank process: isolate, configure, run ``fn``, send one message back.
+
+    ``env`` is the caller's whole environment plus the rank's variables, and ``stdout`` / ``stderr`` the caller's
+    descriptors: a rank forked by the fork server otherwise has the server's."""
     import warnings
 
-    warnings.simplefilter(warnings_action)  # before unpickling fn imports torch / Megatron
+    for source, target in ((stdout, 1), (stderr, 2)):
+        os.dup2(source, target)
+        os.close(source)
+    warnings.simplefilter(warnings_action)  # before unpickling fn imports Megatron
     os.setpgid(0, 0)  # own process group, so the parent can kill this rank with all its descendants
-    _die_with_parent(parent_pid)
-    os.environ.update(env)  # before torch is imported (unpickling fn may import it)
+    _release_fork_server()
+    _die_with_parent(os.getppid())  # the fork server, which exits when the caller dies
+    os.environ.clear()
+    os.environ.update(env)  # before Megatron is imported (unpickling fn may import it)
+    from megatron_lora_patch.runtime import bootstrap
+
+    bootstrap.install()  # what the `.pth` line does at start-up, on this rank's environment
     if warnings_action == "ignore":  # start-up notices also go through `logging` ("GPTModel IS DEPRECATED")
         import torch  # noqa: F401  (first: importing torch resets the "torch" logger's level, then Megatron
 
@@ -109,6 +125,17 @@ def rank_main(
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(0)
+
+
+def _release_fork_server() -> None:
+    """Close this rank's copy of the fork server's liveness pipe: the server exits when its last holder (the
+    caller, once every rank dropped its copy) is gone, and its exit is what kills the ranks (`_die_with_parent`)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
 
 
 def _die_with_parent(parent_pid: int) -> None:
