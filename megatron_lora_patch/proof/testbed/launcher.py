@@ -2,11 +2,15 @@
 
 ``run_world(fn, world_size)`` is the multi-process harness every numeric test uses:
 
-* Each rank is a fresh ``spawn``-ed interpreter running ``fn(rank, world_size, *args, **kwargs)``
-  with ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
-  ``LOCAL_WORLD_SIZE`` set, and torch limited to one intra-op thread (``OMP_NUM_THREADS=1``
-  and friends are set before anything is imported; ``LORA_PATCH_RANK_THREADS`` raises it, to
-  probe reduction-order noise). A rank imports only what ``fn`` needs.
+* Each rank runs ``fn(rank, world_size, *args, **kwargs)`` in a process forked from a fork server that
+  imported torch and its compiler stack once (`FORK_SERVER_PRELOAD`), so a rank starts in milliseconds; it
+  still starts as a fresh interpreter would for what this package reads: the caller's environment at the call,
+  the caller's stdout / stderr, the `.pth` start-up hook armed from that environment. It runs with
+  ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+  ``LOCAL_WORLD_SIZE`` set, and torch limited to one intra-op thread (the server starts with
+  ``OMP_NUM_THREADS=1`` and friends, so no thread pool exists to fork, and the rank sets torch's thread count;
+  ``LORA_PATCH_RANK_THREADS`` raises it, to probe reduction-order noise). Megatron and this package's plugins
+  are imported by the rank itself.
 * The rendezvous store is hosted by the parent (like ``torchrun``'s agent store, with
   ``TORCHELASTIC_USE_AGENT_STORE=True``), so there is no race on a "free" port between
   choosing it and binding it. Ranks join with :func:`gloo_process_group` or plain
@@ -19,7 +23,8 @@
   Python stacks at the moment of the timeout.
 * No process outlives ``run_world``: each rank leads its own process group, which is
   killed (grandchildren included) on error, timeout and ``KeyboardInterrupt``; ranks
-  also die with ``SIGKILL`` when the parent dies (``PR_SET_PDEATHSIG`` on Linux).
+  also die with ``SIGKILL`` when the parent dies (the fork server exits with it, and a rank dies with the server:
+  ``PR_SET_PDEATHSIG`` on Linux).
 
 The launcher itself never initializes ``torch.distributed``; ranks do that themselves
 (see :func:`gloo_process_group`, or ``Topology.world()`` which also sets up Megatron).

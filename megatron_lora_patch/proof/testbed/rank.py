@@ -1,4 +1,4 @@
-"""The rank side of `testbed.launcher.run_world`: what runs inside each spawned rank process.
+"""The rank side of `testbed.launcher.run_world`: what runs inside each rank process (forked by the fork server).
 
 `rank_main` isolates the rank (own process group, dies with its parent, stack dumps on
 SIGUSR1), runs the function and sends one message back; results travel as `torch.save`
