@@ -188,6 +188,9 @@ def gloo_process_group(timeout_s: float | None = None) -> Iterator[None]:
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, **({"timeout": timeout} if timeout else {})
     )
+    # A rank may return from init before its peers finished connecting to it; leaving at once (a body that only
+    # raises) would close their half-made connections ("Connection closed by peer"): every rank connects first.
+    dist.barrier()
     try:
         yield
     finally:
