@@ -68,10 +68,11 @@ class Lanes:
 
     def report(self, lane: int, file: str, done: subprocess.CompletedProcess, seconds: float) -> None:
         passed = done.returncode == 0 or (done.returncode == NO_TESTS_COLLECTED and self.deselecting)
-        lines = (done.stdout + done.stderr).strip().splitlines()
+        # pytest's summary is stdout's last line (stderr may end with a faulthandler stack dump of a long test)
+        summary = (done.stdout.strip().splitlines() or done.stderr.strip().splitlines() or ["no output"])[-1]
         with self.lock:
             self.seconds[file] = seconds
-            print(f"[lane {lane}] {file}: {lines[-1] if lines else 'no output'} ({seconds:.0f} s)", flush=True)
+            print(f"[lane {lane}] {file}: {summary} ({seconds:.0f} s)", flush=True)
             if not passed:
                 self.failed.append(file)
                 print(done.stdout + done.stderr, flush=True)
