@@ -1,7 +1,7 @@
 """run_world: results in rank order, failures and hangs reported per rank, and no process left behind.
 
-Rank functions live at module level (ranks unpickle them) and import torch only when they
-need it, so most worlds here start in a fraction of a second.
+Rank functions live at module level (ranks unpickle them) and import nothing heavy (torch is preloaded by the
+fork server), so most worlds here start in a fraction of a second.
 """
 
 from __future__ import annotations

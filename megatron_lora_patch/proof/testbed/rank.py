@@ -2,8 +2,8 @@
 
 `rank_main` isolates the rank (own process group, dies with its parent, stack dumps on
 SIGUSR1), runs the function and sends one message back; results travel as `torch.save`
-bytes of detached CPU copies (`to_cpu`), or plain pickle when the rank never imported
-torch. `gloo_process_group` is how a rank joins the world the parent's store hosts.
+bytes of detached CPU copies (`to_cpu`; the fork server preloaded torch, so every rank has it).
+`gloo_process_group` is how a rank joins the world the parent's store hosts.
 """
 
 from __future__ import annotations
@@ -28,24 +28,19 @@ from typing import Any, Iterator
 _PR_SET_PDEATHSIG = 1
 
 
-def loads(encoded: tuple[str, bytes]) -> Any:
-    codec, body = encoded
-    if codec == "pickle":
-        return pickle.loads(body)
+def loads(body: bytes) -> Any:
     import torch
 
     return torch.load(io.BytesIO(body), map_location="cpu", weights_only=False)
 
 
-def dumps(value: Any) -> tuple[str, bytes]:
-    """Encode a rank's result: ``torch.save`` if the rank uses torch, plain pickle otherwise (no torch import)."""
-    if "torch" not in sys.modules:
-        return "pickle", pickle.dumps(value)
+def dumps(value: Any) -> bytes:
+    """Encode a rank's result with ``torch.save`` (tensors as detached compact CPU copies)."""
     import torch
 
     buffer = io.BytesIO()
     torch.save(to_cpu(value), buffer)
-    return "torch", buffer.getvalue()
+    return buffer.getvalue()
 
 
 def to_cpu(value: Any) -> Any:
@@ -99,10 +94,11 @@ def rank_main(
     from megatron_lora_patch.runtime import bootstrap
 
     bootstrap.install()  # what the `.pth` line does at start-up, on this rank's environment
-    if warnings_action == "ignore":  # start-up notices also go through `logging` ("GPTModel IS DEPRECATED")
-        import torch  # noqa: F401  (first: importing torch resets the "torch" logger's level, then Megatron
+    import torch  # preloaded by the fork server, with one thread: this rank's count is set here
 
-        quiet_logging()  # imports torch.utils.cpp_extension, whose "No CUDA runtime is found" this silences)
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    if warnings_action == "ignore":  # start-up notices also go through `logging` ("GPTModel IS DEPRECATED")
+        quiet_logging()  # before Megatron imports torch.utils.cpp_extension ("No CUDA runtime is found")
     stack_handle = open(stack_file, "w", encoding="utf-8")
     import faulthandler
 
@@ -110,8 +106,6 @@ def rank_main(
     try:
         fn, args, kwargs = pickle.loads(payload)
         rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
-        if "torch" in sys.modules:  # OMP_NUM_THREADS covers a later import; this covers an earlier one
-            sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
         result = fn(rank, world_size, *args, **kwargs)
         message = ("ok", dumps(result))
     except BaseException:
