@@ -46,6 +46,7 @@ from megatron_lora_patch.lora.config import module_matches as _matches
 from megatron_lora_patch.lora.layers.shared_outer import share_outer_factors
 from megatron_lora_patch.lora.layers.trained_fully import is_trained_fully, mark
 from megatron_lora_patch.lora.layers.unsupported import refuse_unsupported
+from megatron_lora_patch.lora.training.param_sync import hook_linear
 
 logger = logging.getLogger(__name__)
 
@@ -278,6 +279,7 @@ def attach_adapters(model: torch.nn.Module, config: Optional[LoraConfig] = None)
             )
         grouped = kind[1]
         module.add_module(ADAPTER_NAME, torch.nn.ModuleList(adapters) if grouped else adapters[0])
+        hook_linear(module)  # DDP's overlapped param gather waits in the adapters' pre-hooks (param_sync.py)
     share_outer_factors(model, config, labels["expert_shared_outer"])
     freeze_base(model)
     _attached.add(model)

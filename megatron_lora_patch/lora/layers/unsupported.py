@@ -5,6 +5,15 @@
   re-gathers it inside the `linear_with_*` functions the adapters ride on, and adds its own
   finalize reductions; the oracle has never checked LoRA beside it, so it would be unproven
   math, not a tested path.
+- CUDA graphs (`--cuda-graph-impl local|transformer_engine|full_iteration`, the older `--enable-cuda-graph` /
+  `--external-cuda-graph`). A captured graph replays fixed kernels on fixed buffers: the adapters' Python-side
+  dispatch (the linear's context variable, dropout masks, in-place epilogues) and DDP's param-gather pre-hooks,
+  which skip while a graph is captured (lora/training/param_sync.py), are not part of any replay we have
+  checked, and no CPU run can capture one.
+- `moe_shared_expert_overlap` runs after a one-line warning: the shared experts' linears then skip their own
+  TP collectives (`explicit_expert_comm`), so the adapters' terms ride Megatron's pre-reduction partials as on
+  routed experts (lora/layers/linear.py), but the overlapped schedule needs CUDA streams and has never run
+  here; `megatron-lora-patch preflight` on the user's nodes is the check.
 - The linears of Mamba / gated-delta-net mixers (`megatron.core.ssm`): `in_proj` packs
   `[z, x, B, C, dt]` (uneven `partition_sizes`) per TP shard, so a column adapter's B would
   not be sharded like the base weight. Attention and MLP linears of a hybrid model are fine.
@@ -17,6 +26,7 @@ from typing import Iterable, Tuple
 import torch
 
 from megatron_lora_patch.runtime.errors import UsageError
+from megatron_lora_patch.runtime.registry import warn_once
 
 SSM_PACKAGE = "megatron.core.ssm."
 
@@ -34,11 +44,32 @@ def _gtp_sizes(model: torch.nn.Module, linears: Iterable[torch.nn.Module]) -> Tu
     return max(dense, built), expert
 
 
+def _cuda_graph_setting(config) -> str:
+    """The CUDA-graph option the model config turns on, as the user set it ("" when none is)."""
+    impl = getattr(config, "cuda_graph_impl", "none") or "none"
+    if impl != "none":
+        return f"cuda_graph_impl {impl!r}"
+    for field in ("enable_cuda_graph", "external_cuda_graph"):
+        if getattr(config, field, False):
+            return field
+    return ""
+
+
 def refuse_unsupported(
     model: torch.nn.Module, selected: Iterable[Tuple[str, torch.nn.Module, torch.nn.Module]]
 ) -> None:
     """Raise `UnsupportedModelError` for GTP, or for selected `(name, linear, parent)` in an SSM mixer."""
     selected = list(selected)
+    config = getattr(model, "config", None)
+    graphs = _cuda_graph_setting(config)
+    if graphs:
+        raise UnsupportedModelError(
+            f"LoRA is not supported with CUDA graphs ({graphs}); set --cuda-graph-impl none (and leave out "
+            "--enable-cuda-graph / --external-cuda-graph)"
+        )
+    if getattr(config, "moe_shared_expert_overlap", False):
+        warn_once("moe-shared-expert-overlap", "LoRA with --moe-shared-expert-overlap has not run on a GPU here; "
+                  "check it on your nodes with `megatron-lora-patch preflight -- <your pretrain_gpt.py args>`")
     dense, expert = _gtp_sizes(model, (module for _, module, _ in selected))
     if dense > 1 or expert > 1:
         raise UnsupportedModelError(

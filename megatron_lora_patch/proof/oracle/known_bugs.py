@@ -335,3 +335,17 @@ def skip_tied_embedding_grad_sync(patcher: Patcher) -> None:
         "megatron.core.distributed.finalize_model_grads"
     )  # the package attr is the function
     patcher.replace(module, "_allreduce_word_embedding_grads", _no_word_embedding_grad_all_reduce)
+
+
+# -- DDP's overlapped param all-gather (lora.training.param_sync) ----------------------------
+
+
+def _fire_no_adapter_pre_hooks(linear) -> None:
+    """The adapters' forward pre-hooks never run: their params are not gathered before use."""
+
+
+def adapter_pre_hooks_not_fired(patcher: Patcher) -> None:
+    """The adapted linears' pre-hook fires nothing (its callee, looked up at call time, is a no-op)."""
+    from megatron_lora_patch.lora.training import param_sync
+
+    patcher.replace(param_sync, "fire_adapter_pre_hooks", _fire_no_adapter_pre_hooks)

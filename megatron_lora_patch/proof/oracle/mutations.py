@@ -24,6 +24,7 @@ import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
 from megatron_lora_patch.proof.oracle.known_bugs import (
+    adapter_pre_hooks_not_fired,
     avg_instead_of_sum,
     ddp_average_on_top,
     expert_grads_over_dense_dp,
@@ -183,6 +184,16 @@ _ALL = (
         "dp2",
         settings={"finalize_model_grads_func": finalize_with_local_trained_fully_grads},
         options={"modules_to_save": ("output_layer",)},
+    ),
+    Mutation(
+        "adapter_param_gather_not_awaited",
+        "Under --overlap-param-gather (distributed optimizer) the adapters' forward pre-hooks never run, as when "
+        "an adapter's math rides its linear's call: DDP never waits for their params' all-gather, so the next "
+        "step reads factors before the other DP ranks' updates arrive (lora/training/param_sync.py).",
+        "dp2",
+        install=adapter_pre_hooks_not_fired,
+        settings={"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
+                  "ddp_bucket_size": 4096},
     ),
 )
 

@@ -11,7 +11,7 @@ everything the oracle compares, in the rank's local layout.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 import torch
 
@@ -86,6 +86,15 @@ class TrainSettings:
     capture: Capture = Capture()
     data_path: Optional[str] = None  # a Megatron indexed dataset prefix read in order instead of random tokens
     use_distributed_optimizer: bool = False  # grads are gathered back for capture (testbed.distributed_optimizer)
+    # Megatron-LM's `--overlap-grad-reduce` / `--overlap-param-gather` (the latter needs the distributed
+    # optimizer): DDP reduces each bucket asynchronously once its last grad arrives, and gathers params in
+    # forward pre-hooks, with the config callbacks `setup_model_and_optimizer` sets; `ddp_bucket_size` (params
+    # per bucket; None: DDP's default) small makes several buckets, so reductions start inside backward.
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    ddp_bucket_size: Optional[int] = None
+    # TransformerConfig fields for the built model, e.g. {"gradient_accumulation_fusion": True}
+    model_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _rank_coordinates() -> Dict[str, int]:
@@ -127,7 +136,9 @@ def _wrap_like_get_model(chunks: list, settings: TrainSettings) -> list:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=settings.overlap_grad_reduce,
+        overlap_param_gather=settings.overlap_param_gather,
+        bucket_size=settings.ddp_bucket_size,
         use_distributed_optimizer=settings.use_distributed_optimizer,
         # average_in_collective is incompatible with per-token loss (DDP asserts it).
         average_in_collective=False,
@@ -265,7 +276,12 @@ def _build_run(spec, topology, settings: TrainSettings) -> _Run:
 
     # A spec that builds its own model (testbed.args_model: the user's architecture) does so.
     builder = getattr(spec, "build_model", None)
-    chunks = builder(topology, settings.seed) if builder else build_model(spec, topology, seed=settings.seed)
+    if builder and settings.model_config:
+        raise ValueError("TrainSettings.model_config applies to testbed specs, not to a spec that builds its own model")
+    chunks = (
+        builder(topology, settings.seed) if builder
+        else build_model(spec, topology, seed=settings.seed, **settings.model_config)
+    )
     if settings.on_model_built is not None:
         settings.on_model_built(chunks)
     chunks = _wrap_like_get_model(chunks, settings)
@@ -273,6 +289,7 @@ def _build_run(spec, topology, settings: TrainSettings) -> _Run:
     config = chunks[0].config
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = _resolve_finalize(settings.finalize_model_grads_func)
+    _set_sync_callbacks(config, chunks, settings)
     losses: List[dict] = []
     return _Run(
         chunks=chunks,
@@ -285,6 +302,29 @@ def _build_run(spec, topology, settings: TrainSettings) -> _Run:
             settings.global_batch_size, settings.micro_batch_size, parallel_state.get_data_parallel_world_size()
         ),
     )
+
+
+def _set_sync_callbacks(config, chunks: list, settings: TrainSettings) -> None:
+    """The DDP callbacks Megatron-LM's `train` sets for the overlap options (its defaults `align_grad_reduce`
+    on, `align_param_gather` off): the schedule's `no_sync` around all but the last microbatch, and the
+    grad-sync start the pipeline schedules call per chunk."""
+    if settings.overlap_grad_reduce:
+        config.no_sync_func = [chunk.no_sync for chunk in chunks]
+        config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
+        if len(chunks) == 1:
+            config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
+
+
+def _synced_params(run: _Run, settings: TrainSettings) -> dict:
+    """The captured params after the step. With `overlap_param_gather` the step leaves the other DP ranks'
+    updated shards to the next forward's pre-hooks; gather them now, as Megatron-LM does before a save."""
+    if settings.overlap_param_gather:
+        prepare = getattr(run.optimizer, "prepare_model_params_for_param_sync", None)
+        if prepare is not None:
+            prepare()
+        for chunk in run.chunks:
+            chunk.start_param_sync(force_sync=True)
+    return {name: to_cpu(param) for name, (param, _) in run.captured.items()}
 
 
 def _train_step(run: _Run, spec, settings: TrainSettings, step: int, global_batch: testing_data.Batch) -> dict:
@@ -320,7 +360,7 @@ def _train_step(run: _Run, spec, settings: TrainSettings, step: int, global_batc
         "grad_norm": None if grad_norm is None else float(grad_norm),
         "update_successful": bool(update_successful),
         "grads": grads,
-        "params": {name: to_cpu(param) for name, (param, _) in run.captured.items()} if keep_params else {},
+        "params": _synced_params(run, settings) if keep_params else {},
         "forward": run.recorder.take(),
         "extra": {},
     }
