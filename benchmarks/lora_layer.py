@@ -46,8 +46,10 @@ VARIANTS = ("frozen", "lora")
 CLOCKS = (("thread", time.thread_time), ("process", time.process_time), ("wall", time.perf_counter))
 
 
-def build_pair(hidden: int, rank: int, tp: int, sequence_parallel: bool, sp_input: str) -> torch.nn.Module:
-    """The frozen MLP pair over `tp` ranks; with `rank` > 0 the `lora_linear` patch's adapters on both."""
+def build_pair(hidden: int, rank: int, tp: int, sequence_parallel: bool, sp_input: str, ffn: int = 0,
+               dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The frozen MLP pair h -> ffn -> h (ffn 0: 4h) over `tp` ranks, weights in `dtype`, on the CPU; with
+    `rank` > 0 the `lora_linear` patch's adapters on both."""
     from megatron.core import parallel_state
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -57,12 +59,13 @@ def build_pair(hidden: int, rank: int, tp: int, sequence_parallel: bool, sp_inpu
 
     torch.manual_seed(0)
     config = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
-                                 use_cpu_initialization=True)
+                                 use_cpu_initialization=True, params_dtype=dtype)
+    ffn = ffn or 4 * hidden
     init, group = torch.nn.init.xavier_normal_, parallel_state.get_tensor_model_parallel_group()
     pair = torch.nn.Module()
-    pair.linear_fc1 = ColumnParallelLinear(hidden, 4 * hidden, config=config, init_method=init, bias=False,
+    pair.linear_fc1 = ColumnParallelLinear(hidden, ffn, config=config, init_method=init, bias=False,
                                            gather_output=False, tp_group=group)
-    pair.linear_fc2 = RowParallelLinear(4 * hidden, hidden, config=config, init_method=init, bias=False,
+    pair.linear_fc2 = RowParallelLinear(ffn, hidden, config=config, init_method=init, bias=False,
                                         input_is_parallel=True, skip_bias_add=False, tp_group=group)
     for param in pair.parameters():
         param.requires_grad_(False)

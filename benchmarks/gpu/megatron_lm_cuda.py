@@ -1,0 +1,114 @@
+"""The production path on one GPU (issue 34's device script): Megatron-LM's own loop with the plugin alone.
+
+`tests/megatron_lm_gpt.py` (the shape of `pretrain_gpt.py`) under `torchrun`, world size 1, on CUDA + NCCL, the
+local layer spec, bf16, with `MEGATRON_PLUGINS=lora_correct` and nothing else of this project. Megatron-LM's GPU
+defaults stay on except three the test machine cannot run, each named: `--no-gradient-accumulation-fusion`
+(APEX's fused weight-grad kernel is not installed; `tests/test_gpu_defaults_on_cpu.py` runs that path on CPU with
+the kernel's definition), `--no-rope-fusion` (needs Transformer Engine) and `--no-masked-softmax-fusion` (needs
+Megatron's legacy CUDA kernels, built from a source tree). The LoRA runs add the distributed optimizer with
+overlapped grad reduction and param gather.
+
+Runs: a base without the plugin (`--save`), then LoRA fine-tunes of it, one with full checkpoints (base weights
+included) and one with adapter-sized checkpoints. Checks, each printed as PASS / FAIL (exit 1 on any FAIL):
+- the LoRA run's loss falls (mean of the last quarter of iterations below the first quarter's);
+- the base weights in the full LoRA checkpoint are bit-identical to the base checkpoint's;
+- the adapter-sized checkpoint holds adapter tensors and no base weight (its bytes against the base's printed);
+- `megatron-lora-patch export` of the full LoRA checkpoint loads in peft onto the base weights and gives
+  Megatron's logits (recomputed in fp32 from the stored weights, tests/megatron_lm_checkpoints.py) and not the
+  base's.
+`--dry-run`: the same on CPU with gloo (adding the `cpu_testbed` plugin), a few iterations.
+
+Usage: python benchmarks/gpu/megatron_lm_cuda.py OUT_DIR [--iterations 20] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+
+import megatron_lm_checkpoints as checkpoints  # noqa: E402
+import megatron_lm_runs as runs  # noqa: E402
+
+GPU_ARGS = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-rope-fusion",
+            "--no-masked-softmax-fusion", "--eval-iters", "0", "--eval-interval", "1000"]
+LORA_ARGS = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+
+
+def _launch(out: pathlib.Path, name: str, args: list, env: dict, options) -> None:
+    """One torchrun of the launch script with the tiny model, bf16, `options.iterations` iterations."""
+    device_args = runs.HOST_ARGS if options.dry_run else GPU_ARGS
+    train = runs.TRAIN_ARGS + ["--bf16", "--train-iters", str(options.iterations), "--save-interval",
+                               str(options.iterations)]
+    record = out / f"rec-{name}"
+    record.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+               str(runs.SCRIPT)] + runs.MODEL_ARGS + device_args + train + args
+    done = runs.subprocess.run(command, env=runs.clean_environ(CUDA_DEVICE_MAX_CONNECTIONS="1",
+                                                               LOOP_RECORD_DIR=str(record), **env),
+                               capture_output=True, text=True, timeout=600, cwd=str(out))
+    (out / f"{name}.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise SystemExit(f"{name}: the run failed (exit {done.returncode}); its log: {out / f'{name}.log'}\n"
+                         + done.stderr[-3000:])
+
+
+def _size(directory: pathlib.Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
+def _checks(out: pathlib.Path) -> dict:
+    """Each check's (passed, figure)."""
+    losses = checkpoints._step_losses(out / "rec-lora-full", 1)
+    quarter = max(1, len(losses) // 4)
+    first, last = sum(losses[:quarter]) / quarter, sum(losses[-quarter:]) / quarter
+    base = checkpoints._model_tensors(out / "base")
+    tuned = checkpoints._model_tensors(out / "lora-full")
+    changed = sorted(key for key, value in base.items() if not value.equal(tuned[key]))
+    adapters = sum(".lora." in key for key in tuned)
+    sized = checkpoints._model_tensors(out / "lora")
+    base_held = sorted(key for key in sized if ".lora." not in key)
+    ratio = _size(out / "lora") / _size(out / "base")
+    results = {
+        "loss falls": (last < first, f"first {quarter}: {first:.4f}, last {quarter}: {last:.4f}"),
+        "base bit-identical": (not changed and adapters > 0, f"{len(changed)} base tensors changed, {adapters} "
+                                                            "adapter tensors"),
+        "adapter-sized checkpoint": (bool(sized) and not base_held, f"{len(sized)} tensors, {len(base_held)} of them "
+                                     f"base weights; {ratio:.3f} of the base checkpoint's bytes (metadata included)"),
+    }
+    try:
+        checkpoints.export_matches_megatron(out, out / "lora-full", out / "base")
+        results["export in peft = Megatron"] = (True, "max |peft - megatron| / max |megatron| <= 1e-5")
+    except AssertionError as error:
+        results["export in peft = Megatron"] = (False, str(error)[:300])
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=pathlib.Path, help="an empty or new directory for the runs and their logs")
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--dry-run", action="store_true", help="on CPU with gloo (cpu_testbed), to check the script")
+    options = parser.parse_args()
+    if options.out.exists() and any(options.out.iterdir()):
+        parser.error(f"{options.out} is not empty; name a new directory")
+    options.out.mkdir(parents=True, exist_ok=True)
+    plugins = "lora_correct,cpu_testbed" if options.dry_run else "lora_correct"
+    base_env = runs.TESTBED_ENV if options.dry_run else {}
+    lora_env = {"MEGATRON_PLUGINS": plugins, "MEGATRON_LORA_RANK": str(runs.LORA_RANK)}
+    load = ["--load", str(options.out / "base"), "--finetune"]
+    _launch(options.out, "base", ["--save", str(options.out / "base")], base_env, options)
+    _launch(options.out, "lora-full", LORA_ARGS + load + ["--save", str(options.out / "lora-full")],
+            {**lora_env, "MEGATRON_LORA_FULL_CHECKPOINTS": "1"}, options)
+    _launch(options.out, "lora", LORA_ARGS + load + ["--save", str(options.out / "lora")], lora_env, options)
+    results = _checks(options.out)
+    for name, (passed, figure) in results.items():
+        print(f"{'PASS' if passed else 'FAIL'}  {name}: {figure}")
+    raise SystemExit(0 if all(passed for passed, _ in results.values()) else 1)
+
+
+if __name__ == "__main__":
+    main()
