@@ -102,7 +102,8 @@ TOPOLOGIES = {  # name -> (extra arguments, ranks, data-parallel size)
     "tp2": (["--tensor-model-parallel-size", "2"], 2, 1),
     "tp2-sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, 1),
     "pp2": (["--pipeline-model-parallel-size", "2"], 2, 1),
-    "dp2-distopt": (["--use-distributed-optimizer"], 2, 2),
+    # with the overlap options GPU users run it with (the adapters' param gather: lora/training/param_sync.py)
+    "dp2-distopt": (["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], 2, 2),
 }
 LORA_ENV = {
     "MEGATRON_PLUGINS": "lora_correct,cpu_testbed",  # cpu_testbed: its cpu_compat patch, Megatron on CPU
