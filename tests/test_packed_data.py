@@ -80,6 +80,9 @@ def test_packed_batch_restarts_positions_and_masks_every_sequence_unequally():
     per_sequence = torch.stack([batch["loss_mask"][:, a:b].sum(1) for a, b in zip(bounds, bounds[1:])], 1)
     assert len(set(per_sequence.sum(1).tolist())) > 3 and len(set(per_sequence.flatten().tolist())) > 3
     assert (per_sequence <= plain["loss_mask"].sum(1, keepdim=True)).all()
+    cp_ranks = [thd_get_partitioned_indices(torch.tensor(bounds), 16, 2, rank).long() for rank in (0, 1)]
+    per_cp_rank = torch.stack([batch["loss_mask"][:, index].sum(1) for index in cp_ranks], 1)
+    assert (per_cp_rank[:, 0] != per_cp_rank[:, 1]).any()  # unequal valid tokens per CP rank too
 
 
 def _reference(inputs: dict, bounds) -> tuple:
