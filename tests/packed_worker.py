@@ -22,6 +22,17 @@ def packed_inputs(seed: int) -> dict:
     }
 
 
+def _data_splits(seed: int) -> tuple:
+    """This CP rank's share of a packed microbatch: the testbed's (Megatron's own where it splits per
+    sequence) and TE's definition applied directly."""
+    from megatron.core import parallel_state
+
+    from megatron_lora_patch.proof.testbed import data, packing
+
+    batch = data.dp_rank_microbatches(packing.make_packed_global_batch(seed, 2, 16, 128), 0, 1, 1)[1]
+    return data.packed_cp_rank_slice(batch), data.thd_split(batch, parallel_state.get_context_parallel_group())
+
+
 def packed_attention_rank(rank: int, world_size: int, seed: int) -> dict:
     """This CP rank's indices, attention output and q / k / v grads of sum(output * weight)."""
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -49,6 +60,7 @@ def packed_attention_rank(rank: int, world_size: int, seed: int) -> dict:
         output = attention(local["query"], local["key"], local["value"], None, packed_seq_params=params)
         (output * inputs["weight"][index]).sum().backward()
         return {
+            "splits": _data_splits(seed),
             "index": index,
             "output": output.detach(),
             "grads": {name: tensor.grad for name, tensor in local.items()},

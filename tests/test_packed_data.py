@@ -118,8 +118,25 @@ def _error(candidate: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def packed_runs() -> dict:
-    return {cp: _assemble(run_world(packed_attention_rank, cp, args=(SEED,), name=f"cp{cp}")) for cp in (1, 2)}
+def packed_worlds() -> dict:
+    return {cp: run_world(packed_attention_rank, cp, args=(SEED,), name=f"cp{cp}") for cp in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def packed_runs(packed_worlds) -> dict:
+    return {cp: _assemble(per_rank) for cp, per_rank in packed_worlds.items()}
+
+
+def test_testbed_splits_packed_rows_per_sequence_as_te_defines(packed_worlds):
+    """Megatron-Core 0.19 splits through the `cpu_compat` stand-in; older releases through the testbed's own."""
+    for rank, record in enumerate(packed_worlds[2]):
+        testbed, definition = record["splits"]
+        assert testbed.keys() == definition.keys() and "cu_seqlens" in testbed
+        for key, value in testbed.items():
+            assert torch.equal(value, definition[key]), (rank, key)
+        assert testbed["tokens"].shape == (1, 8)
+    first, second = (record["splits"][0]["position_ids"][0].tolist() for record in packed_worlds[2])
+    assert first == [0, 3, 0, 1, 6, 7, 0, 3] and second == [1, 2, 2, 3, 4, 5, 1, 2]
 
 
 @pytest.mark.parametrize("cp", [1, 2])

@@ -152,8 +152,6 @@ def packed_cp_rank_slice(batch: Batch) -> Batch:
     from megatron.core import parallel_state
     from megatron.core import utils as megatron_utils
 
-    from megatron_lora_patch.cpu_testbed.thd import thd_get_partitioned_indices
-
     group = parallel_state.get_context_parallel_group()
     if hasattr(megatron_utils, "_get_batch_on_this_cp_rank_per_document_balancing"):
         sliced = megatron_utils.get_batch_on_this_cp_rank(
@@ -161,6 +159,13 @@ def packed_cp_rank_slice(batch: Batch) -> Batch:
         )
         sliced.pop("cu_seqlens_padded")
         return sliced
+    return thd_split(batch, group)
+
+
+def thd_split(batch: Batch, group) -> Batch:
+    """`packed_cp_rank_slice` without Megatron: TE's per-sequence split applied to every sequence-dim tensor."""
+    from megatron_lora_patch.cpu_testbed.thd import thd_get_partitioned_indices
+
     cp_size, cp_rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     if cp_size == 1:
         return dict(batch)
