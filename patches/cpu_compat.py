@@ -23,11 +23,11 @@ FIXES = (
     ("megatron.core.transformer.moe.moe_utils", "modules", "install_moe_utils"),
     ("megatron.core.transformer.moe.token_dispatcher", "modules", "install_dispatcher_stream"),
     ("megatron.core.optimizer.clip_grads", "modules", "install_clip_grads"),
-    ("megatron.core.utils", "thd", "install_thd_partition"),
     ("megatron.core.datasets.utils", "training", "install_dataset_helpers"),
     ("megatron.training.initialize", "training", "install_initialize"),
     ("megatron.training.arguments", "training", "install_arguments"),
     ("megatron.legacy.fused_kernels", "training", "install_fused_kernels"),
+    ("megatron.core.utils", "thd", "install_thd_partition"),
 )
 
 SPEC = PatchSpec(

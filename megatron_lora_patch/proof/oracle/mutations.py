@@ -184,14 +184,6 @@ _ALL = (
         settings={"finalize_model_grads_func": finalize_with_dp_only_token_count},
     ),
     Mutation(
-        "trained_fully_outside_dp_sync",
-        "A fully trained weight (modules_to_save: the output layer) keeps its own DP rank's grad, never summed "
-        "over DP, as when it is trained outside DDP's grad buffers (each DP rank then steps differently).",
-        "dp2",
-        settings={"finalize_model_grads_func": finalize_with_local_trained_fully_grads},
-        options={"modules_to_save": ("output_layer",)},
-    ),
-    Mutation(
         "packed_attention_across_sequences",
         "Packed (THD) rows get plain causal attention: a token attends to the earlier sequences of its row, "
         "as when cu_seqlens never reach the attention (issue 36).",
@@ -221,6 +213,14 @@ _ALL = (
         "cp2",
         install=loss_mask_ignored_on_one_cp_rank,
         data="packed",
+    ),
+    Mutation(
+        "trained_fully_outside_dp_sync",
+        "A fully trained weight (modules_to_save: the output layer) keeps its own DP rank's grad, never summed "
+        "over DP, as when it is trained outside DDP's grad buffers (each DP rank then steps differently).",
+        "dp2",
+        settings={"finalize_model_grads_func": finalize_with_local_trained_fully_grads},
+        options={"modules_to_save": ("output_layer",)},
     ),
 )
 
