@@ -59,7 +59,13 @@ def packed_attention_rank(rank: int, world_size: int, seed: int) -> dict:
         )
         output = attention(local["query"], local["key"], local["value"], None, packed_seq_params=params)
         (output * inputs["weight"][index]).sum().backward()
+        try:
+            attention(local["query"], local["key"], local["value"], None, packed_seq_params=PackedSeqParams("bshd"))
+            refusal = None
+        except ValueError as error:
+            refusal = str(error)
         return {
+            "refusal": refusal,
             "splits": _data_splits(seed),
             "index": index,
             "output": output.detach(),

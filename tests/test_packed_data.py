@@ -152,3 +152,9 @@ def test_attention_across_sequences_would_be_caught(packed_runs):
     output, _ = packed_runs[2]
     leaking, _ = _reference(packed_inputs(SEED), (0, CU_SEQLENS[-1]))
     assert _error(output, leaking) > 100 * TOLERANCE
+
+
+def test_packed_formats_other_than_thd_are_refused(packed_worlds):
+    assert packed_worlds[1][0]["refusal"] == (
+        "ContextParallelDotProductAttention supports packed sequences in the 'thd' format only; got qkv_format='bshd'"
+    )
