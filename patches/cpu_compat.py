@@ -28,6 +28,7 @@ FIXES = (
     ("megatron.training.initialize", "training", "install_initialize"),
     ("megatron.training.arguments", "training", "install_arguments"),
     ("megatron.legacy.fused_kernels", "training", "install_fused_kernels"),
+    ("megatron.core.utils", "thd", "install_thd_partition"),
 )
 
 SPEC = PatchSpec(

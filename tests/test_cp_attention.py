@@ -114,7 +114,7 @@ def _broken_attention_classes() -> dict:
     class RankOrderKeys(ContextParallelDotProductAttention):
         """K/V gathered but left in rank-block order (chunks 0, 3, 1, 2 for cp2)."""
 
-        def to_global_order(self, gathered):
+        def to_global_order(self, gathered, cu_seqlens=None):
             return gathered
 
     class KeyGradsNotSummed(ContextParallelDotProductAttention):

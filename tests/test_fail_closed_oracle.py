@@ -115,6 +115,19 @@ BAD_INPUTS = {
         "--layout-invariant runs without mutations: they re-introduce bugs the invariant mode bypasses; "
         "drop --mutations",
     ),
+    "packed-with-layout-invariant": (
+        ["--layout-invariant", "--data", "packed", "--topologies", "tp2"],
+        "--layout-invariant is not proven on packed data yet (its layouts are checked on unpacked rows); "
+        "run it with --data unpacked",
+    ),
+    "packed-over-cp4": (
+        ["--data", "packed", "--topologies", "cp4"],
+        "--data packed splits each packed sequence into 2 * cp chunks, up to cp2; cp4 has cp4: use cp2 or less",
+    ),
+    "packed-hybrid-model": (
+        ["--data", "packed", "--model", "hybrid", "--topologies", "tp2"],
+        "--data packed runs the dense and MoE models; use --model dense, moe or auto",
+    ),
 }
 
 

@@ -59,7 +59,9 @@ def test_registry_is_well_formed():
         assert mutation.name == name
         assert mutation.model in ("dense", "moe")
         topology = Topology.parse(mutation.topology)
-        harness.check_topology(topology, harness.OracleSettings(model=mutation.model))
+        assert mutation.data in ("", "packed"), f"{name}: data layout {mutation.data!r}"
+        settings = harness.OracleSettings(model=mutation.model, data=mutation.data or "unpacked")
+        harness.check_topology(topology, settings)
         assert topology.world_size <= 4, f"{name}: the testbed exposes every bug with at most 4 ranks"
         assert mutation.bug.endswith(".") and mutation.bug.count(". ") == 0, f"{name}: bug is one sentence"
         assert mutation.install or mutation.settings or mutation.patches or mutation.lora, f"{name} changes nothing"

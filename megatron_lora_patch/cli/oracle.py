@@ -72,6 +72,8 @@ ALL_TOPOLOGIES = DEFAULT_TOPOLOGIES + (
     "tp2-ep2-etp2-pp2-sp",
 )
 
+#: `--data packed --topologies all`: the full matrix without cp4 (packed sequences split over cp <= 2).
+PACKED_TOPOLOGIES = tuple(spec for spec in ALL_TOPOLOGIES if "cp4" not in spec)
 
 #: Thresholds are calibrated up to this many optimizer steps (proof/oracle/thresholds.py).
 MAX_STEPS = 20
@@ -94,6 +96,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--mutations", default="none", help="none, all, or a comma list of mutation names")
     parser.add_argument("--steps", default="2", help=f"optimizer steps K, 1 to {MAX_STEPS} (default 2)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument(
+        "--data",
+        choices=("unpacked", "packed"),
+        default="unpacked",
+        help="unpacked: one masked sample per row (default); packed: THD rows of three sequences of unequal "
+        "lengths, masked per sequence, split per sequence over CP (up to cp2)",
+    )
     parser.add_argument(
         "--model",
         choices=("dense", "moe", "hybrid", "auto"),
@@ -152,9 +161,11 @@ def check_arguments(args: argparse.Namespace) -> tuple:
         layout_invariant=(layout := args.layout_invariant or _deprecated_tp_invariant(args)),
         global_batch_size=LAYOUT_GLOBAL_BATCH if layout else OracleSettings.global_batch_size,
         timeout_s=checks.seconds("--timeout", args.timeout),
+        data=args.data,
     )
     default = LAYOUT_TOPOLOGIES if settings.layout_invariant else DEFAULT_TOPOLOGIES
-    topologies = _select(args.topologies, "--topologies", {"default": default, "all": ALL_TOPOLOGIES})
+    everything = ALL_TOPOLOGIES if settings.data == "unpacked" else PACKED_TOPOLOGIES
+    topologies = _select(args.topologies, "--topologies", {"default": default, "all": everything})
     mutations = mutations_named(_select(args.mutations, "--mutations", {"none": (), "all": tuple(MUTATIONS)}))
     if settings.layout_invariant and mutations:
         raise OracleError(

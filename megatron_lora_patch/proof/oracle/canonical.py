@@ -45,8 +45,9 @@ def is_captured(name: str, module: torch.nn.Module) -> bool:
     return is_adapted_dense_linear(module) or _is_router(module)
 
 
-def rank_layout(model: torch.nn.Module, seq_length: int, micro_batch_size: int) -> dict:
-    """What the parent needs to place this rank's forward captures (recorded in the rank)."""
+def rank_layout(model: torch.nn.Module, seq_length: int, micro_batch_size: int, cu_seqlens=None) -> dict:
+    """What the parent needs to place this rank's forward captures (recorded in the rank); `cu_seqlens`
+    `[1, n + 1]`: the rows are packed so, and CP splits each sequence."""
     from megatron_lora_patch.lora.layers.attach import canonical_modules
     from megatron_lora_patch.lora.layers.linear import adapter_of
     from megatron_lora_patch.proof.testbed.data import cp_sequence_positions
@@ -63,7 +64,7 @@ def rank_layout(model: torch.nn.Module, seq_length: int, micro_batch_size: int) 
     return {
         "modules": modules,
         "sequence_parallel": bool(model.config.sequence_parallel),
-        "cp_positions": cp_sequence_positions(seq_length).tolist(),
+        "cp_positions": cp_sequence_positions(seq_length, cu_seqlens).tolist(),
         "micro_batch_size": micro_batch_size,
     }
 

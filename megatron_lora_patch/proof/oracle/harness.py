@@ -36,6 +36,7 @@ from megatron_lora_patch.proof.oracle.report import MutationResult, OracleReport
 from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings
 from megatron_lora_patch.proof.testbed.launcher import WorldError
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec, check_topology_fits
+from megatron_lora_patch.proof.testbed.packing import MAX_PACKED_CP, cu_seqlens_of
 from megatron_lora_patch.proof.testbed.runner import Job, run_jobs
 from megatron_lora_patch.proof.testbed.topology import Topology
 from megatron_lora_patch.runtime.errors import UsageError
@@ -48,6 +49,8 @@ MOE = TinyGPTSpec.moe(num_attention_heads=8, num_query_groups=4, num_layers=2)
 #: A `HybridModel` (Megatron-Core 0.18+) alternating attention and MLP layers, the dense widths.
 HYBRID = TinyGPTSpec.hybrid("*-*-", num_attention_heads=8, num_query_groups=4)
 REFERENCE = "tp1"
+PACKED = "packed"
+DATA_LAYOUTS = ("unpacked", PACKED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +66,7 @@ class OracleSettings:
     lora_options: tuple = ()
     tie_embeddings: bool = False  # the dense / MoE model with tied embedding and output weights
     global_batch_size: int = 8  # samples per step, micro batch 1 (--layout-invariant: 16, two per microbatch lane)
+    data: str = "unpacked"  # unpacked | packed (THD rows of several sequences, testbed.packing)
     timeout_s: float = 600.0
 
     def threshold(self, phase: str, step: int) -> Optional[float]:
@@ -91,12 +95,14 @@ def model_for(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
     else:
         spec = MOE if settings.model == "moe" or (settings.model == "auto" and expert_parallel) else DENSE
     spec = spec.replace(tie_embeddings=True) if settings.tie_embeddings else spec
+    spec = spec.replace(packed=True) if settings.data == PACKED else spec
     return spec.replace(dtype="bfloat16") if settings.dtype == "bf16" else spec
 
 
 def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
     """The model this topology runs, or one OracleError saying why it cannot run."""
     spec = model_for(topology, settings)
+    _check_data(topology, settings)
     if settings.layout_invariant and topology.cp > 1:
         raise OracleError(
             f"--layout-invariant covers tp, sp, dp, pp, ep and etp; {topology} also uses cp: use topologies like "
@@ -111,6 +117,27 @@ def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
         )
     check_topology_fits(spec, topology)
     return spec
+
+
+def _check_data(topology: Topology, settings: OracleSettings) -> None:
+    """One OracleError where the data layout cannot run: packed rows under the layout-invariant mode, a CP
+    that cannot split every packed sequence, or the hybrid model."""
+    if settings.data not in DATA_LAYOUTS:
+        raise OracleError(f"--data {settings.data!r}: use one of {', '.join(DATA_LAYOUTS)}")
+    if settings.data != PACKED:
+        return
+    if settings.layout_invariant:
+        raise OracleError(
+            "--layout-invariant is not proven on packed data yet (its layouts are checked on unpacked rows); "
+            "run it with --data unpacked"
+        )
+    if topology.cp > MAX_PACKED_CP:
+        raise OracleError(
+            f"--data packed splits each packed sequence into 2 * cp chunks, up to cp{MAX_PACKED_CP}; "
+            f"{topology} has cp{topology.cp}: use cp2 or less"
+        )
+    if settings.model == "hybrid":
+        raise OracleError("--data packed runs the dense and MoE models; use --model dense, moe or auto")
 
 
 def declared_defaults() -> dict:
@@ -167,7 +194,7 @@ def make_job(topology: Topology, settings: OracleSettings, mutation: Optional[Mu
         train,
         capture=Capture(
             forward=canonical.is_captured,
-            on_step_end=functools.partial(_on_step_end, spec.seq_length, train.micro_batch_size),
+            on_step_end=functools.partial(_on_step_end, spec, train.micro_batch_size),
         ),
     )
     if mutation is not None and mutation.settings:
@@ -176,13 +203,15 @@ def make_job(topology: Topology, settings: OracleSettings, mutation: Optional[Mu
     return Job(spec, topology, train, context=context)
 
 
-def _on_step_end(seq_length: int, micro_batch_size: int, step: int, record: dict, chunks: list) -> None:
-    """`Capture.on_step_end`: the rank's forward-capture layout, recorded once."""
+def _on_step_end(spec: TinyGPTSpec, micro_batch_size: int, step: int, record: dict, chunks: list) -> None:
+    """`Capture.on_step_end`: the rank's forward-capture layout, recorded once (packed rows: every row is
+    split the same way, `testbed.packing`)."""
     if step == 0:
         model = chunks[0]
         while hasattr(model, "module"):
             model = model.module
-        record["extra"]["layout"] = canonical.rank_layout(model, seq_length, micro_batch_size)
+        cu_seqlens = cu_seqlens_of(spec.seq_length).unsqueeze(0) if spec.packed else None
+        record["extra"]["layout"] = canonical.rank_layout(model, spec.seq_length, micro_batch_size, cu_seqlens)
 
 
 def mutations_named(names: Sequence[str]) -> List[Mutation]:
@@ -288,11 +317,13 @@ def describe_model(spec: TinyGPTSpec) -> str:
 
 
 def mutation_settings(settings: OracleSettings, mutation: Optional[Mutation]) -> OracleSettings:
-    """What a mutation runs (and is referenced) under: its model, plus the LoRA options its bug needs."""
+    """What a mutation runs (and is referenced) under: its model and data layout (if it names one), plus the
+    LoRA options its bug needs."""
     if mutation is None:
         return settings
     options = settings.lora_options + tuple(mutation.options.items())
-    return dataclasses.replace(settings, model=mutation.model, lora_options=options)
+    data = mutation.data or settings.data
+    return dataclasses.replace(settings, model=mutation.model, lora_options=options, data=data)
 
 
 def _reference_key(job: Job, settings: OracleSettings) -> tuple:

@@ -12,6 +12,7 @@ A mutation changes a run in up to four ways, all applied in every rank of the jo
 - `options`: `LoraConfig` fields of the feature whose bug it re-introduces (e.g. `modules_to_save`);
   unlike `lora`, its world-1 reference runs with them too.
 - `patches`: on/off overrides of `lora_correct` patches (e.g. a patch left out).
+- `data`: the data layout the bug needs (`"packed"`: THD rows, `testbed.packing`), reference included.
 
 Each install bends exactly one invariant of docs/architecture.md section 4 or 5, at the place
 where the real bug lived, and patches a function where it is looked up at call time
@@ -42,6 +43,11 @@ from megatron_lora_patch.proof.oracle.known_bugs import (
     wrong_qkv_packing,
     xavier_fan_in_local_shard,
 )
+from megatron_lora_patch.proof.oracle.known_bugs_packed import (
+    attention_across_packed_sequences,
+    cp_chunks_across_sequences,
+    loss_mask_ignored_on_one_cp_rank,
+)
 from megatron_lora_patch.runtime.patching import Patcher
 
 
@@ -56,6 +62,7 @@ class Mutation:
     lora: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     patches: Mapping[str, bool] = dataclasses.field(default_factory=dict)
+    data: str = ""  # the data layout it needs ("packed"), its reference too; "" runs the oracle's
 
 
 # -- the registry --------------------------------------------------------------------------
@@ -176,6 +183,37 @@ _ALL = (
         "own chunk's count when CP > 1 (seed 002, NMFW-17 CP review).",
         "cp2",
         settings={"finalize_model_grads_func": finalize_with_dp_only_token_count},
+    ),
+    Mutation(
+        "packed_attention_across_sequences",
+        "Packed (THD) rows get plain causal attention: a token attends to the earlier sequences of its row, "
+        "as when cu_seqlens never reach the attention (issue 36).",
+        "cp2",
+        install=attention_across_packed_sequences,
+        data="packed",
+    ),
+    Mutation(
+        "packed_cp_chunks_across_sequences",
+        "CP splits a packed row into 2 * cp chunks of the row, cutting across sequence boundaries, instead of "
+        "2 * cp chunks per sequence (Megatron's per-document split, TE's thd_get_partitioned_indices).",
+        "cp2",
+        install=cp_chunks_across_sequences,
+        data="packed",
+    ),
+    Mutation(
+        "packed_local_token_normalization",
+        "Under packing each rank divides its loss by its own valid-token count instead of the global "
+        "count over DP x CP (packed rows' masks leave unequal counts per rank; docs/architecture.md section 5).",
+        "cp2",
+        settings={"finalize_model_grads_func": finalize_with_rank_local_token_count},
+        data="packed",
+    ),
+    Mutation(
+        "packed_loss_mask_ignored_on_one_cp_rank",
+        "CP rank 1 ignores the loss mask of its packed chunks (prompt tokens and sequence ends trained).",
+        "cp2",
+        install=loss_mask_ignored_on_one_cp_rank,
+        data="packed",
     ),
     Mutation(
         "trained_fully_outside_dp_sync",

@@ -126,11 +126,14 @@ def cp_rank_slice(batch: Batch) -> Batch:
 
     Needs `parallel_state` initialized; a no-op when CP is 1. The CP group is passed
     explicitly: from Megatron-Core 0.18 `cp_group=None` means the whole world, and the
-    function takes a required `is_hybrid_cp` flag (False: plain CP).
+    function takes a required `is_hybrid_cp` flag (False: plain CP). A packed batch
+    (`cu_seqlens`) is split per sequence (`packed_cp_rank_slice`).
     """
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
+    if "cu_seqlens" in batch:
+        return packed_cp_rank_slice(batch)
     accepted = inspect.signature(get_batch_on_this_cp_rank).parameters
     if "cp_group" not in accepted:  # older releases: always the global CP group
         return get_batch_on_this_cp_rank(dict(batch))
@@ -138,11 +141,46 @@ def cp_rank_slice(batch: Batch) -> Batch:
     return get_batch_on_this_cp_rank(dict(batch), cp_group=parallel_state.get_context_parallel_group(), **extra)
 
 
-def cp_sequence_positions(seq_len: int) -> torch.Tensor:
+def packed_cp_rank_slice(batch: Batch) -> Batch:
+    """A packed microbatch's share for this CP rank: each sequence in 2*cp chunks, chunks r and 2cp-1-r.
+
+    Megatron-Core 0.19+ does it itself (`get_batch_on_this_cp_rank` with `cu_seqlens`: per-document
+    balancing through TE's `thd_get_partitioned_indices`, which the `cpu_compat` patch supplies on a
+    host); older releases cut whole rows only, so there the same TE split is applied here. `cu_seqlens`
+    stays whole (attention and RoPE need the global boundaries).
+    """
+    from megatron.core import parallel_state
+    from megatron.core import utils as megatron_utils
+
+    group = parallel_state.get_context_parallel_group()
+    if hasattr(megatron_utils, "_get_batch_on_this_cp_rank_per_document_balancing"):
+        sliced = megatron_utils.get_batch_on_this_cp_rank(
+            dict(batch, cu_seqlens_padded=None), is_hybrid_cp=False, cp_group=group
+        )
+        sliced.pop("cu_seqlens_padded")
+        return sliced
+    return thd_split(batch, group)
+
+
+def thd_split(batch: Batch, group) -> Batch:
+    """`packed_cp_rank_slice` without Megatron: TE's per-sequence split applied to every sequence-dim tensor."""
+    from megatron_lora_patch.cpu_testbed.thd import thd_get_partitioned_indices
+
+    cp_size, cp_rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    if cp_size == 1:
+        return dict(batch)
+    index = thd_get_partitioned_indices(batch["cu_seqlens"][0], batch["tokens"].size(1), cp_size, cp_rank)
+    return {key: value if key == "cu_seqlens" else value.index_select(1, index) for key, value in batch.items()}
+
+
+def cp_sequence_positions(seq_len: int, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Which global sequence positions this CP rank holds, in its local order.
 
-    Derived by pushing `arange(seq_len)` through the same Megatron chunking, so the
-    oracle can scatter CP-local tensors back to world-1 order without re-deriving it.
+    Derived by pushing `arange(seq_len)` through the same Megatron chunking (per sequence of
+    `cu_seqlens` `[1, n + 1]` for packed rows), so the oracle can scatter CP-local tensors back to
+    world-1 order without re-deriving it.
     """
-    positions = torch.arange(seq_len).unsqueeze(0)
-    return cp_rank_slice({"position_ids": positions})["position_ids"][0]
+    batch = {"position_ids": torch.arange(seq_len).unsqueeze(0)}
+    if cu_seqlens is not None:
+        batch.update(tokens=batch["position_ids"], cu_seqlens=cu_seqlens)
+    return cp_rank_slice(batch)["position_ids"][0]

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 import torch
 
 from megatron_lora_patch.proof.testbed import data as testing_data
-from megatron_lora_patch.proof.testbed import distributed_optimizer
+from megatron_lora_patch.proof.testbed import distributed_optimizer, packing
 from megatron_lora_patch.proof.testbed.pretrain import PER_TOKEN, forward_step_for, reduced_lm_loss
 from megatron_lora_patch.proof.testbed.rank import to_cpu
 from megatron_lora_patch.proof.testbed.recording import (
@@ -31,7 +31,6 @@ from megatron_lora_patch.proof.testbed.recording import (
 #: Sentinel for `finalize_model_grads_func`: resolve Megatron's function when the run starts, so a patch
 #: that wrapped `megatron.core.distributed.finalize_model_grads` is picked up, as Megatron-LM's would be.
 MEGATRON_FINALIZE = "megatron"
-
 
 
 def trainable(name: str, param: torch.nn.Parameter) -> bool:
@@ -196,13 +195,15 @@ def _single_chunk(chunks: list) -> torch.nn.Module:
 
 
 def _global_batches(spec, settings: TrainSettings) -> List[testing_data.Batch]:
-    """Each step's global batch: seeded random tokens, or `settings.data_path`'s first tokens in order."""
+    """Each step's global batch: seeded random tokens, or `settings.data_path`'s first tokens in order;
+    packed rows (`testbed.packing`) for a packed spec."""
     per_step = settings.global_batch_size * (spec.seq_length + 1)
     corpus = None
     if settings.data_path:
         corpus = testing_data.read_corpus(settings.data_path, per_step * settings.steps, spec.vocab_size)
+    make = packing.make_packed_global_batch if getattr(spec, "packed", False) else testing_data.make_global_batch
     return [
-        testing_data.make_global_batch(
+        make(
             settings.seed + step, settings.global_batch_size, spec.seq_length, spec.vocab_size,
             stream=None if corpus is None else corpus[step * per_step : (step + 1) * per_step],
         )

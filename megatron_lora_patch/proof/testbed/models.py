@@ -43,6 +43,8 @@ class TinyGPTSpec:
     hybrid_pattern: Optional[str] = None
     #: RMSNorm of each query and key head before RoPE (Qwen3's q_norm / k_norm).
     qk_layernorm: bool = False
+    #: Fed packed rows (THD, `testbed.packing`): the core attention is the testbed's packed attention at every CP.
+    packed: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -275,15 +277,16 @@ def transformer_config(
 def layer_spec(spec: TinyGPTSpec, topology: Any = None):
     """Megatron's local (non-TE) GPT layer spec: RMSNorm, SequentialMLP experts for MoE.
 
-    With cp > 1 the core attention is the testbed's `cp_attention.ContextParallelDotProductAttention`
-    (Megatron's local attention has no CP); world size 1 keeps Megatron's own `DotProductAttention`.
+    With cp > 1 or packed sequences the core attention is the testbed's
+    `cp_attention.ContextParallelDotProductAttention` (Megatron's local attention has neither);
+    otherwise, world size 1 included, it stays Megatron's own `DotProductAttention`.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     layer = get_gpt_layer_local_spec(
         num_experts=spec.num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=spec.qk_layernorm
     )
-    if getattr(topology, "cp", 1) > 1:
+    if getattr(topology, "cp", 1) > 1 or spec.packed:
         from megatron_lora_patch.proof.testbed.cp_attention import ContextParallelDotProductAttention
 
         layer.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention

@@ -21,6 +21,7 @@ from typing import Callable, Iterator, List, Optional
 import torch
 
 from megatron_lora_patch.proof.testbed.data import Batch, cp_rank_slice
+from megatron_lora_patch.proof.testbed.packing import packed_seq_params
 
 PER_TOKEN = "per_token"
 LEGACY_MEAN = "legacy_mean"
@@ -86,10 +87,13 @@ def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module, loss_fu
 
     Every pipeline stage draws from the iterator (stages that do not need the data
     ignore it), so all stages stay on the same microbatch. Attention mask is None:
-    the causal mask is implied, as in `pretrain_gpt.py` without a dataloader mask.
+    the causal mask is implied, as in `pretrain_gpt.py` without a dataloader mask. A packed batch
+    (`cu_seqlens`) goes in as Megatron's `PackedSeqParams` (THD), `pretrain_gpt.py`'s way.
     """
     batch = cp_rank_slice(next(data_iterator))
     extra = {}
+    if "cu_seqlens" in batch:
+        extra["packed_seq_params"] = packed_seq_params(batch["cu_seqlens"])
     if _forward_accepts_loss_mask(type(_innermost(model))):
         extra["loss_mask"] = batch["loss_mask"]
     output_tensor = model(
