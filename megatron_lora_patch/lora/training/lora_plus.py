@@ -11,8 +11,9 @@ distributed optimizer and their checkpoints carry the ratio like any other group
 - 0.13-0.15 (`scale_lr_cond` / `lr_mult`): `scale_lr_cond` selects the B factors, `lr_mult` is the
   ratio (the scheduler multiplies every rate it sets by it); the groups' starting `lr` is multiplied
   likewise. A caller's own non-trivial `scale_lr_cond` stops with one line.
-The group's settings are part of the optimizer's state dict, so a resumed run gets them back (0.13-0.15
-match groups by `lr_mult`, 0.16+ by their override values).
+The group's settings are part of the optimizer's state dict, so a resumed run gets them back: a checkpoint's
+groups are matched to the optimizer's by `lr_mult` (among others) on 0.13-0.18, so the B group carries
+`lr_mult` = ratio on 0.16+ too (where no scheduler reads it), and by `max_lr` / `min_lr` too on 0.19.
 """
 
 from __future__ import annotations
@@ -72,7 +73,10 @@ def _with_override(arguments: dict, ratio: float, label: str) -> dict:
     given = arguments["config_overrides"]
     overrides = dict(get_standard_config_overrides(config) if given is None else given)
     _refuse_other_lr_overrides(overrides, arguments["model_chunks"], ratio, label)
-    scaled = {"lr": ratio * config.lr, "max_lr": ratio * config.lr}
+    # lr_mult: no scheduler of 0.16+ reads it, but 0.16-0.18 match a checkpoint's groups to the optimizer's by
+    # (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr) only: without it the B group would take A's rates
+    # on resume (or A the B group's); 0.19 matches by max_lr / min_lr too.
+    scaled = {"lr": ratio * config.lr, "max_lr": ratio * config.lr, "lr_mult": ratio}
     if config.min_lr is not None:
         scaled["min_lr"] = ratio * config.min_lr
     overrides[ParamKey(predicate=ParamPredicate(name="lora_plus_b_factor", fn=_is_plus_factor_now))] = scaled
