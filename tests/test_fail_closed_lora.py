@@ -58,6 +58,11 @@ VALUE_ERRORS = [
     ("MEGATRON_LORA_B_INIT", "ones", "MEGATRON_LORA_B_INIT must be one of zero, nonzero, got 'ones'"),
     ("MEGATRON_LORA_SEED", "-3", "MEGATRON_LORA_SEED must be a non-negative integer, got '-3'"),
     ("MEGATRON_LORA_SP_INPUT", "gather", "MEGATRON_LORA_SP_INPUT must be one of keep, regather, got 'gather'"),
+    (
+        "MEGATRON_LORA_PLUS_RATIO",
+        "-4",
+        "MEGATRON_LORA_PLUS_RATIO must be a positive finite number (B's learning rate / A's; 1: plain LoRA), got '-4'",
+    ),
 ]
 
 
@@ -68,7 +73,7 @@ def test_bad_value_stops_activation(variable, value, message):
 
 ACCEPTED_KEYS = (
     "rank, alpha, dropout, targets, exclude, init, b_init, seed, sp_input, rslora, rank_pattern, alpha_pattern, "
-    "separate_projections, expert_shared_outer, modules_to_save"
+    "separate_projections, expert_shared_outer, modules_to_save, plus_ratio"
 )
 
 # name -> (file name, content or None for no file, the message with {path} for the file's path)

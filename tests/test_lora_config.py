@@ -30,6 +30,7 @@ def test_environment_values_are_parsed():
             "MEGATRON_LORA_B_INIT": "nonzero",
             "MEGATRON_LORA_SEED": "7",
             "MEGATRON_LORA_SP_INPUT": "regather",
+            "MEGATRON_LORA_PLUS_RATIO": "16",
         }
     )
     assert config == LoraConfig(
@@ -42,6 +43,7 @@ def test_environment_values_are_parsed():
         b_init="nonzero",
         seed=7,
         sp_input="regather",
+        plus_ratio=16.0,
     )
 
 
@@ -49,13 +51,16 @@ def test_environment_values_are_parsed():
 def test_config_file_then_variables_override_it(tmp_path, suffix):
     path = tmp_path / f"lora{suffix}"
     if suffix == ".toml":
-        path.write_text('rank = 4\nalpha = 2\ntargets = ["linear_proj"]\ninit = "gaussian"\n')
+        path.write_text('rank = 4\nalpha = 2\ntargets = ["linear_proj"]\ninit = "gaussian"\nplus_ratio = 8\n')
     else:
-        path.write_text(json.dumps({"rank": 4, "alpha": 2, "targets": ["linear_proj"], "init": "gaussian"}))
+        path.write_text(json.dumps({"rank": 4, "alpha": 2, "targets": ["linear_proj"], "init": "gaussian",
+                                    "plus_ratio": 8}))
     config = LoraConfig.from_env({"MEGATRON_LORA_CONFIG": str(path), "MEGATRON_LORA_RANK": "2"})
-    assert config == LoraConfig(rank=2, alpha=2.0, targets=("linear_proj",), init="gaussian")
+    assert config == LoraConfig(rank=2, alpha=2.0, targets=("linear_proj",), init="gaussian", plus_ratio=8.0)
+    assert isinstance(config.plus_ratio, float)
 
 
+PLUS_RATIO_RULE = "a positive finite number (B's learning rate / A's; 1: plain LoRA)"
 BAD_VARIABLES = [
     ("MEGATRON_LORA_RANK", "abc", "MEGATRON_LORA_RANK must be a positive integer, got 'abc'"),
     ("MEGATRON_LORA_RANK", "0", "MEGATRON_LORA_RANK must be a positive integer, got '0'"),
@@ -73,6 +78,9 @@ BAD_VARIABLES = [
     ("MEGATRON_LORA_B_INIT", "ones", "MEGATRON_LORA_B_INIT must be one of zero, nonzero, got 'ones'"),
     ("MEGATRON_LORA_SEED", "-3", "MEGATRON_LORA_SEED must be a non-negative integer, got '-3'"),
     ("MEGATRON_LORA_SP_INPUT", "gather", "MEGATRON_LORA_SP_INPUT must be one of keep, regather, got 'gather'"),
+    ("MEGATRON_LORA_PLUS_RATIO", "0", f"MEGATRON_LORA_PLUS_RATIO must be {PLUS_RATIO_RULE}, got '0'"),
+    ("MEGATRON_LORA_PLUS_RATIO", "nan", f"MEGATRON_LORA_PLUS_RATIO must be {PLUS_RATIO_RULE}, got 'nan'"),
+    ("MEGATRON_LORA_PLUS_RATIO", "x16", f"MEGATRON_LORA_PLUS_RATIO must be {PLUS_RATIO_RULE}, got 'x16'"),
 ]
 
 
@@ -111,7 +119,7 @@ def test_bad_config_files(tmp_path):
     assert str(raised.value) == (
         f"MEGATRON_LORA_CONFIG ({unknown}): unknown key 'rnak' (did you mean 'rank'?); accepted keys: "
         "rank, alpha, dropout, targets, exclude, init, b_init, seed, sp_input, rslora, rank_pattern, alpha_pattern, "
-        "separate_projections, expert_shared_outer, modules_to_save"
+        "separate_projections, expert_shared_outer, modules_to_save, plus_ratio"
     )
 
     typed = tmp_path / "typed.toml"

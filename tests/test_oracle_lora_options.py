@@ -1,6 +1,8 @@
-"""The oracle with rsLoRA and per-module ranks / alphas (issue 19): every default topology still
-equals world-1 when adapters differ in rank and scale per module, MoE experts included (experts at
-a lower rank than attention). The patterns really shape the adapters: read off the world-1 run.
+"""The oracle with rsLoRA and per-module ranks / alphas (issue 19) and LoRA+ (issue 37, B at 4x A's learning
+rate): every default topology still equals world-1 when adapters differ in rank and scale per module, MoE
+experts included (experts at a lower rank than attention), and B factors step at their own rate (that the
+ratio acts is tests/test_lora_plus.py's; the ratio on A instead is the mutation `lora_plus_ratio_on_a`).
+The patterns really shape the adapters: read off the world-1 run.
 
 alpha 4 (not the oracle's 8) keeps rsLoRA's scale at the one the thresholds were measured at
 (alpha / sqrt(4) = 2 = 8 / 4, proof/oracle/thresholds.py): at alpha 8 (scales 4 to 5.7) cp2's step-0
@@ -20,8 +22,14 @@ DENSE_OPTIONS = (
     ("rslora", True),
     ("rank_pattern", (("linear_fc1", 2), ("linear_fc2", 2))),
     ("alpha_pattern", (("linear_proj", 2.0),)),
+    ("plus_ratio", 4.0),
 )
-MOE_OPTIONS = (("rslora", True), ("rank_pattern", (("*local_experts*", 2),)), ("alpha_pattern", (("linear_qkv", 2.0),)))
+MOE_OPTIONS = (
+    ("rslora", True),
+    ("rank_pattern", (("*local_experts*", 2),)),
+    ("alpha_pattern", (("linear_qkv", 2.0),)),
+    ("plus_ratio", 4.0),
+)
 ALPHA = 4.0
 MOE_TOPOLOGIES = tuple(t for t in DEFAULT_TOPOLOGIES if Topology.parse(t).ep > 1 or Topology.parse(t).etp > 1)
 DENSE_TOPOLOGIES = tuple(t for t in DEFAULT_TOPOLOGIES if t not in MOE_TOPOLOGIES)
@@ -47,14 +55,14 @@ def _check(report, topologies) -> None:
     assert mutation.caught and mutation.worst_ratio >= 100, report.table()
 
 
-def test_dense_topologies_match_world1_with_rslora_and_patterns():
+def test_dense_topologies_match_world1_with_rslora_patterns_and_lora_plus():
     settings = harness.OracleSettings(model="dense", lora_alpha=ALPHA, lora_options=DENSE_OPTIONS)
     assert _reference_ranks(settings) == {"linear_qkv": {4}, "linear_proj": {4}, "linear_fc1": {2}, "linear_fc2": {2}}
     report = harness.run_oracle(DENSE_TOPOLOGIES, [MUTATIONS["skip_tp_sum_row_b"]], settings=settings)
     _check(report, DENSE_TOPOLOGIES)
 
 
-def test_moe_topologies_match_world1_with_experts_at_a_lower_rank():
+def test_moe_topologies_match_world1_with_experts_at_a_lower_rank_and_lora_plus():
     settings = harness.OracleSettings(model="moe", lora_alpha=ALPHA, lora_options=MOE_OPTIONS)
     assert _reference_ranks(settings) == {"linear_qkv": {4}, "linear_proj": {4}, "expert": {2}}
     report = harness.run_oracle(MOE_TOPOLOGIES, [MUTATIONS["skip_expert_tp_sum"]], settings=settings)

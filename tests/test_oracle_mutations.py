@@ -27,6 +27,11 @@ MIN_RATIO = 100.0
 BF16_MIN_RATIO = 2.0
 CONTROL = Mutation("control_no_change", "No bug: the oracle's own patches only (checks that mutations revert).", "tp2")
 TWO_RANK = [mutation for mutation in MUTATIONS.values() if Topology.parse(mutation.topology).world_size == 2]
+#: Bugs that act only through the optimizer's update (a learning rate; params read before the update's
+#: all-gather): bf16 compares step 0, before any update, so they are judged at fp32 only (there by >= MIN_RATIO,
+#: like every other bug).
+UPDATE_ONLY = ("lora_plus_ratio_on_a", "adapter_param_gather_not_awaited")
+BF16_TWO_RANK = [mutation for mutation in TWO_RANK if mutation.name not in UPDATE_ONLY]
 
 #: Same bugs where their domain differs from a neighbouring one (4 ranks each).
 SLOW_VARIANTS = {
@@ -88,12 +93,12 @@ def test_control_after_all_mutations_matches_world1(two_rank_report):
 
 @pytest.fixture(scope="module")
 def bf16_two_rank_report():
-    report = harness.run_oracle([], TWO_RANK + [CONTROL], harness.OracleSettings(dtype="bf16"))
+    report = harness.run_oracle([], BF16_TWO_RANK + [CONTROL], harness.OracleSettings(dtype="bf16"))
     print(report.table())
     return _by_name(report)
 
 
-@pytest.mark.parametrize("name", [mutation.name for mutation in TWO_RANK])
+@pytest.mark.parametrize("name", [mutation.name for mutation in BF16_TWO_RANK])
 def test_mutation_is_caught_at_bf16(bf16_two_rank_report, name):
     """The bf16 gates are no noise band a known bug slips through (avg_instead_of_sum did)."""
     _assert_caught(bf16_two_rank_report[name], BF16_MIN_RATIO)

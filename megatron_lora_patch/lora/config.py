@@ -30,6 +30,8 @@ alpha / sqrt(r) instead of alpha / r (rsLoRA, PEFT's `use_rslora`).
 standard PEFT LoRA on separate projections (lora/adapters/projections.py).
 `MEGATRON_LORA_EXPERT_SHARED_OUTER=1` gives each MoE layer's routed experts one shared fc1 A and one shared
 fc2 B (SGLang's shared-outer layout; lora/layers/shared_outer.py, docs/handoff.md section 4).
+`MEGATRON_LORA_PLUS_RATIO=16` (LoRA+, PEFT's `loraplus_lr_ratio`) trains every B at 16 times A's learning
+rate (the `lora_plus` patch, lora/training/lora_plus.py).
 
 Modules to train fully (PEFT's `modules_to_save`): `MEGATRON_LORA_MODULES_TO_SAVE='output_layer'`
 names modules, matched like a target entry, whose base weights stay trainable with Megatron's own
@@ -94,6 +96,9 @@ class LoraConfig:
     expert_shared_outer: bool = False
     # modules whose base weights train fully (PEFT modules_to_save), matched like targets
     modules_to_save: tuple = ()
+    # LoRA+ (PEFT's loraplus_lr_ratio): every B learns at this multiple of A's learning rate (max_lr and min_lr
+    # alike, through Megatron's optimizer param-group overrides; lora/training/lora_plus.py); 1: plain LoRA
+    plus_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         for name in PATTERN_FIELDS:  # a mapping, or JSON's list of pairs, as a tuple of pairs in order

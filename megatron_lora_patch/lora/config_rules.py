@@ -23,6 +23,7 @@ SP_INPUT_CHOICES = ("keep", "regather")
 PATTERN_FIELDS = ("rank_pattern", "alpha_pattern")
 NAME_FIELDS = ("targets", "exclude", "modules_to_save")  # lists of module names
 BOOLEAN_FIELDS = ("rslora", "separate_projections", "expert_shared_outer")
+FLOAT_FIELDS = ("alpha", "dropout", "plus_ratio")  # a file's integer (4) means the number (4.0)
 #: Canonical names of the modules that may train fully (`modules_to_save`; lora/layers/trained_fully.py says why).
 TRAINABLE_MODULES = ("output_layer", "embedding.word_embeddings")
 
@@ -169,6 +170,7 @@ RULES: dict = {
         lambda v: _names(v, allow_empty=True)
         and all(any(module_matches(name, (entry,)) for name in TRAINABLE_MODULES) for entry in v),
     ),
+    "plus_ratio": ("a positive finite number (B's learning rate / A's; 1: plain LoRA)", float, _positive_finite),
 }
 
 
@@ -224,7 +226,7 @@ def read_config_file(path: str) -> dict:
         else:
             typed = tuple(value) if isinstance(value, list) else value
             typed = as_pairs(key, value) if key in PATTERN_FIELDS else typed
-            typed = float(typed) if key in ("alpha", "dropout") and _number(typed) else typed
+            typed = float(typed) if key in FLOAT_FIELDS and _number(typed) else typed
             if not RULES[key][2](typed):
                 raise _fail(key, value, label)  # the value as written in the file
             values[key] = typed

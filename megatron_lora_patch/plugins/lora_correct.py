@@ -8,6 +8,7 @@ from megatron_lora_patch.patches import (
     layout_invariant,
     lora_checkpoint,
     lora_linear,
+    lora_plus,
     loss_normalization,
     null_tokenizer,
 )
@@ -15,7 +16,9 @@ from megatron_lora_patch.runtime.hookspecs import impl
 from megatron_lora_patch.runtime.patching import PatchSpec
 
 #: The patch declarations this plugin contributes, in application order.
-PATCHES = (lora_linear, lora_checkpoint, finalize_grads, loss_normalization, null_tokenizer, layout_invariant)
+PATCHES = (
+    lora_linear, lora_checkpoint, finalize_grads, loss_normalization, null_tokenizer, layout_invariant, lora_plus,
+)
 PATCH_NAMES = tuple(module.SPEC.name for module in PATCHES)
 
 

@@ -219,6 +219,24 @@ def full_output_on_partial_sum_expert_path(patcher: Patcher) -> None:
     patcher.wrap(LoraAdapter, "up", _expert_row_term_all_reduced)
 
 
+# -- LoRA+ (lora.training.lora_plus) --------------------------------------------------------
+
+
+def _a_factor(wrapped, instance, args, kwargs) -> bool:
+    """The factor LoRA+ speeds up is A, not B."""
+    from megatron_lora_patch.lora.adapters.metadata import adapter_info
+
+    param = args[0] if args else kwargs["param"]
+    info = adapter_info(param)
+    return info is not None and info.factor == "A"
+
+
+def lora_plus_ratio_on_a(patcher: Patcher) -> None:
+    from megatron_lora_patch.lora.training import lora_plus
+
+    patcher.wrap(lora_plus, "is_plus_factor", _a_factor)
+
+
 # -- DP sync, token normalization, grad norm -----------------------------------------------
 
 

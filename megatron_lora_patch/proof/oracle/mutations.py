@@ -35,6 +35,7 @@ from megatron_lora_patch.proof.oracle.known_bugs import (
     full_output_on_partial_sum_expert_path,
     grad_norm_metadata_on_replicated,
     lora_input_grad_outside_collective,
+    lora_plus_ratio_on_a,
     rank_local_random_init,
     skip_expert_tp_sum,
     skip_tp_sum_column_a,
@@ -232,6 +233,14 @@ _ALL = (
         install=adapter_pre_hooks_not_fired,
         settings={"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
                   "ddp_bucket_size": 4096},
+    ),
+    Mutation(
+        "lora_plus_ratio_on_a",
+        "LoRA+ applies its learning-rate ratio to A instead of B (PEFT's loraplus_lr_ratio scales lora_B), so A "
+        "takes the large steps and B the small ones.",
+        "tp2",
+        install=lora_plus_ratio_on_a,
+        options={"plus_ratio": 4.0},
     ),
 )
 
