@@ -43,6 +43,7 @@ def test_every_patch_applies(found):
         "lora_checkpoint": "applied",
         "finalize_grads": "applied",
         "loss_normalization": "applied",
+        "lora_plus": "applied",
         "layout_invariant": "applied",
     }
 
