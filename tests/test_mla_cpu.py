@@ -132,3 +132,43 @@ def test_mla_matches_transformers_deepseek_v3_attention():
         assert scale == pytest.approx(hf_scale, rel=1e-9), (q_lora_rank, rope_type)
         error = ((ours - theirs).norm() / theirs.norm()).item()
         assert error < 1e-5, f"q_lora_rank={q_lora_rank} rope_type={rope_type}: relative error {error:.2e}"
+
+
+def test_mla_spec_refuses_what_the_local_spec_cannot_build_or_shard():
+    from megatron_lora_patch.proof.testbed.models import TinyGPTSpec, check_topology_fits
+    from megatron_lora_patch.proof.testbed.topology import Topology, TopologyError
+
+    with pytest.raises(ValueError, match="q_lora_rank unset cannot have the latent norms"):
+        TinyGPTSpec.mla(q_lora_rank=None, qk_layernorm=True)
+    with pytest.raises(TopologyError, match=r"kv_lora_rank \+ qk_pos_emb_head_dim=23 is not divisible by tp2"):
+        check_topology_fits(TinyGPTSpec.mla(kv_lora_rank=15), Topology.parse("tp2"))
+    check_topology_fits(TinyGPTSpec.mla(), Topology.parse("tp4-sp"))  # heads, latents and vocab divide by 4
+
+
+def mla_adapters(rank, world_size, q_lora_rank):
+    """World size 1, `lora_correct` on: the adapted MLA linears with their parallel mode and which factor is
+    replicated (its grad a partial sum over TP), under the default targets."""
+    import megatron_lora_patch
+    from megatron_lora_patch.lora.adapters.metadata import adapter_info
+    from megatron_lora_patch.lora.layers.linear import adapter_of
+    from megatron_lora_patch.proof.testbed import models
+    from megatron_lora_patch.proof.testbed.topology import Topology
+
+    megatron_lora_patch.apply(plugins=["lora_correct", "cpu_testbed"])
+    with Topology.parse("tp1").world(cpu_compat=False):
+        model = models.build_model(models.TinyGPTSpec.mla(q_lora_rank=q_lora_rank, num_layers=1))[0]
+        found = {}
+        for name, module in model.named_modules():
+            adapter = adapter_of(module)
+            if adapter is not None and ".self_attention." in name:
+                replicated = [f for f, p in (("A", adapter.A), ("B", adapter.B)) if adapter_info(p).replicated]
+                found[name.rsplit(".", 1)[-1]] = (adapter.parallel_mode, "".join(replicated))
+        return found
+
+
+@pytest.mark.parametrize("q_lora_rank, query", [(24, ("linear_q_down_proj", "linear_q_up_proj")),
+                                                (None, ("linear_q_proj",))])
+def test_default_targets_adapt_every_mla_linear_with_its_grad_domain(q_lora_rank, query):
+    found = run_world(mla_adapters, 1, args=(q_lora_rank,), warnings="ignore")[0]
+    expected = {name: ("column", "A") for name in (*query, "linear_kv_down_proj", "linear_kv_up_proj")}
+    assert found == {**expected, "linear_proj": ("row", "B")}

@@ -57,7 +57,7 @@ def test_registry_is_well_formed():
     assert len(MUTATIONS) >= 16
     for name, mutation in MUTATIONS.items():
         assert mutation.name == name
-        assert mutation.model in ("dense", "moe")
+        assert mutation.model in ("dense", "moe", "mla")
         topology = Topology.parse(mutation.topology)
         harness.check_topology(topology, harness.OracleSettings(model=mutation.model))
         assert topology.world_size <= 4, f"{name}: the testbed exposes every bug with at most 4 ranks"

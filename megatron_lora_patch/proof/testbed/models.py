@@ -80,7 +80,10 @@ class TinyGPTSpec:
     def mla(cls, q_lora_rank: Optional[int] = 24, **overrides: Any) -> "TinyGPTSpec":
         """The MLA variant (DeepSeek-V3 shaped, `q_lora_rank=None`: V2-Lite's `linear_q_proj`): latent norms
         where the local spec can build them, YaRN RoPE, value head dim != query-key head dim."""
-        options: dict[str, Any] = dict(kv_lora_rank=16, q_lora_rank=q_lora_rank, qk_layernorm=q_lora_rank is not None)
+        heads = overrides.get("num_attention_heads", cls.num_attention_heads)
+        options: dict[str, Any] = dict(
+            kv_lora_rank=16, q_lora_rank=q_lora_rank, qk_layernorm=q_lora_rank is not None, num_query_groups=heads
+        )  # MLA has no query groups: one key / value head per query head
         return cls(**{**options, **overrides})
 
     def replace(self, **changes: Any) -> "TinyGPTSpec":
