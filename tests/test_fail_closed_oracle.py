@@ -101,11 +101,6 @@ BAD_INPUTS = {
         ["--model", "mla", "--topologies", "ep2"],
         "topology ep2 shards experts but --model mla has none; use --model auto or moe",
     ),
-    "mla-model-with-cp": (
-        ["--model", "mla", "--topologies", "cp2"],
-        "topology 'cp2' does not fit the model: the testbed's context-parallel attention has no MLA variant; "
-        "use cp=1 with MLA",
-    ),
     "mla-model-layout-invariant": (
         ["--model", "mla", "--layout-invariant", "--topologies", "tp2"],
         "--layout-invariant does not cover --model mla: its bitwise reduction order has not been proven on MLA's "

@@ -19,14 +19,17 @@ import functools
 
 
 @functools.lru_cache(maxsize=None)
-def mla_dot_product_attention():
-    """`MLADotProductAttention`, built on the installed Megatron's `DotProductAttention`."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+def mla_attention_class(base: type) -> type:
+    """`base` (Megatron's `DotProductAttention` or a subclass with its math, such as the testbed's CP
+    attention) taking MLA's query-key (`k_channels`) and value (`v_channels`) head dims."""
 
-    class MLADotProductAttention(DotProductAttention):
-        """`DotProductAttention` with MLA's query-key (`k_channels`) and value (`v_channels`) head dims."""
+    class MLAAttention(base):
+        __doc__ = f"`{base.__name__}` with MLA's query-key and value head dims (`k_channels`, `v_channels`)."
 
-        def __init__(self, *args, k_channels: int, v_channels: int, softmax_scale=None, **kwargs):
+        def __init__(self, *args, k_channels=None, v_channels=None, softmax_scale=None, **kwargs):
+            if k_channels is None or v_channels is None:  # `Attention.__init__` builds one first, MLA then its own
+                super().__init__(*args, softmax_scale=softmax_scale, **kwargs)
+                return
             if softmax_scale is None:  # what TE's attention defaults to: 1 / sqrt(query-key head dim)
                 softmax_scale = k_channels**-0.5
             super().__init__(*args, softmax_scale=softmax_scale, **kwargs)
@@ -36,7 +39,15 @@ def mla_dot_product_attention():
             self.hidden_size_per_partition = heads * v_channels  # the context's width: heads x value dim
             self.num_query_groups_per_partition = heads  # MLA: one key / value head per query head
 
-    return MLADotProductAttention
+    MLAAttention.__name__ = MLAAttention.__qualname__ = f"MLA{base.__name__}"
+    return MLAAttention
+
+
+def mla_dot_product_attention() -> type:
+    """`MLADotProductAttention`: Megatron's local `DotProductAttention` with MLA's head dims."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return mla_attention_class(DotProductAttention)
 
 
 def build_mla_core_attention(wrapped, instance, args, kwargs):

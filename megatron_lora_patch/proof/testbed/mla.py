@@ -3,7 +3,8 @@
 Megatron's local spec builds every MLA linear as a Megatron parallel linear: the down projections
 (`linear_q_down_proj`, `linear_kv_down_proj`) and up projections column-parallel (a down projection's
 output is gathered over TP, then cut back to the sequence shard under SP), `linear_proj` row-parallel.
-Its core attention runs on CPU through `cpu_testbed.mla_attention`. Megatron-Core 0.19's local layers
+Its core attention runs on CPU through `cpu_testbed.mla_attention` (with cp > 1 the testbed's CP attention,
+given MLA's head dims the same way). Megatron-Core 0.19's local layers
 cannot pair `q_lora_rank` unset with the latent norms (its norm check then wants a fused norm +
 linear, which only Transformer Engine has), so that variant is built without them.
 """

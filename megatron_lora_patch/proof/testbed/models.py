@@ -151,8 +151,6 @@ def check_topology_fits(spec: TinyGPTSpec, topology: Any) -> None:
                 f"{', '.join(uneven)} {'is' if len(uneven) == 1 else 'are'} not divisible by {part}{size}; "
                 f"use {part} in {{{', '.join(fitting)}}}"
             )
-    if mla.is_mla(spec) and getattr(topology, "cp", 1) > 1:
-        problems.append("the testbed's context-parallel attention has no MLA variant; use cp=1 with MLA")
     try:
         topology.validate(num_experts=spec.num_experts, num_layers=spec.num_layers, seq_length=spec.seq_length)
     except TopologyError as error:
@@ -311,16 +309,15 @@ def layer_spec(spec: TinyGPTSpec, topology: Any = None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     layer = get_gpt_layer_local_spec(
-        num_experts=spec.num_experts,
-        moe_grouped_gemm=False,
-        normalization="RMSNorm",
-        qk_layernorm=spec.qk_layernorm,
+        num_experts=spec.num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=spec.qk_layernorm,
         multi_latent_attention=mla.is_mla(spec),
     )
     if getattr(topology, "cp", 1) > 1:
+        from megatron_lora_patch.cpu_testbed.mla_attention import mla_attention_class
         from megatron_lora_patch.proof.testbed.cp_attention import ContextParallelDotProductAttention
 
-        layer.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention
+        attention = mla_attention_class(ContextParallelDotProductAttention) if mla.is_mla(spec) else None
+        layer.submodules.self_attention.submodules.core_attention = attention or ContextParallelDotProductAttention
     return layer
 
 
