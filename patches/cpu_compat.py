@@ -20,6 +20,7 @@ FIXES = (
     ("megatron.core.tensor_parallel.random", "modules", "install_host_rng"),
     ("megatron.core.transformer.torch_norm", "modules", "install_torch_norm"),
     ("megatron.core.tensor_parallel.mappings", "collectives", "install"),
+    ("megatron.core.transformer.multi_latent_attention", "mla_attention", "install"),
     ("megatron.core.transformer.moe.moe_utils", "modules", "install_moe_utils"),
     ("megatron.core.transformer.moe.token_dispatcher", "modules", "install_dispatcher_stream"),
     ("megatron.core.optimizer.clip_grads", "modules", "install_clip_grads"),

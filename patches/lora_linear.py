@@ -20,6 +20,10 @@ Targets (each hook below routes one of them to the LoRA code of this package: `l
   under full activation recompute the checkpointed layers get an input that requires
   grad, else the frozen embedding leaves them without any gradient (see
   `megatron_lora_patch.lora.training.recompute`).
+- `megatron.core.transformer.multi_latent_attention`: MLA's `get_query_key_value_tensors` and the
+  module-global `gather_from_tensor_model_parallel_region`: under TP the local spec's gather of the
+  column-parallel kv down projection gets the missing TP SUM of the RoPE key's grad
+  (`megatron_lora_patch.lora.layers.mla_rope_key` says why; Megatron leaves it a partial sum).
 - `megatron.core.extensions.transformer_engine` (only where Transformer Engine imports):
   `TELinear.forward` (TEColumnParallelLinear, TERowParallelLinear),
   `TELayerNormColumnParallelLinear.forward` and `TEGroupedLinear.forward` add the LoRA
@@ -105,6 +109,14 @@ def patch_hybrid_block(patcher, hybrid_block) -> None:
     patcher.wrap(hybrid_block, "checkpointed_forward", checkpointed_forward)
 
 
+def patch_multi_latent_attention(patcher, mla_module) -> None:
+    """The RoPE key's grad of the local spec's column-parallel kv down projection is summed over TP."""
+    from megatron_lora_patch.lora.layers import mla_rope_key
+
+    patcher.wrap(mla_module.MLASelfAttention, "get_query_key_value_tensors", mla_rope_key.query_key_value)
+    patcher.wrap(mla_module, "gather_from_tensor_model_parallel_region", mla_rope_key.gather)
+
+
 TE_FORWARDS = {
     "TELinear": "linear_forward",
     "TELayerNormColumnParallelLinear": "layernorm_linear_forward",
@@ -135,6 +147,7 @@ SPEC = PatchSpec(
         "megatron.core.models.mamba.mamba_model": patch_mamba_model,
         "megatron.core.transformer.transformer_block": patch_transformer_block,
         "megatron.core.models.hybrid.hybrid_block": patch_hybrid_block,
+        "megatron.core.transformer.multi_latent_attention": patch_multi_latent_attention,
         "megatron.core.extensions.transformer_engine": patch_transformer_engine,
     },
     versions=tested_range(),

@@ -22,6 +22,7 @@ _PATCHED = {
     "megatron.core.tensor_parallel.random:CudaRNGStatesTracker": ("add", "fork"),
     "megatron.core.tensor_parallel": ("model_parallel_cuda_manual_seed", "all_to_all"),
     "megatron.core.transformer.torch_norm:WrappedTorchNorm": ("__new__",),
+    "megatron.core.transformer.multi_latent_attention": ("build_module",),
     "megatron.core.tensor_parallel.mappings": (
         "_gather_along_first_dim",
         "_reduce_scatter_along_first_dim",

@@ -162,7 +162,8 @@ def test_empty_values_mean_unset():
     empty = {variable: "" for variable in lora_config.env_variables()} | {"MEGATRON_LORA_RANK": "  "}
     result = run_fresh(["-c", show], **empty)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines()[-1] == "16 ('linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2')"
+    assert result.stdout.splitlines()[-1] == f"16 {lora_config.DEFAULT_TARGETS}"
+    assert lora_config.DEFAULT_TARGETS[:4] == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
 @pytest.mark.parametrize(

@@ -97,6 +97,15 @@ BAD_INPUTS = {
         ["--model", "dense", "--topologies", "ep2"],
         "topology ep2 shards experts but --model dense has none; use --model auto or moe",
     ),
+    "mla-model-with-experts": (
+        ["--model", "mla", "--topologies", "ep2"],
+        "topology ep2 shards experts but --model mla has none; use --model auto or moe",
+    ),
+    "mla-model-layout-invariant": (
+        ["--model", "mla", "--layout-invariant", "--topologies", "tp2"],
+        "--layout-invariant does not cover --model mla: its bitwise reduction order has not been proven on MLA's "
+        "latent projections (docs/architecture.md section 7); run MLA without --layout-invariant",
+    ),
     "mutation-unknown": (
         ["--mutations", "skip_tp_sum"],
         f"unknown mutation 'skip_tp_sum'; known: {', '.join(MUTATIONS)}",

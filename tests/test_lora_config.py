@@ -13,7 +13,10 @@ from megatron_lora_patch.runtime.errors import UsageError
 def test_defaults_and_scale():
     config = LoraConfig.from_env({})
     assert config == LoraConfig()
-    assert config.targets == DEFAULT_TARGETS == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    assert config.targets == DEFAULT_TARGETS == (
+        "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
+        "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+    )
     assert config.sp_input == "keep" and config.b_init == "zero" and config.init == "kaiming"
     assert LoraConfig(rank=8, alpha=4.0).scale == 0.5
 

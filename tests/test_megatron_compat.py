@@ -77,7 +77,7 @@ def test_hybrid_model_gets_attention_and_mlp_adapters(found):
     expected = sorted(
         f"decoder.layers.{layer}.{block}.{linear}.lora.{factor}"
         for layer, block in enumerate(["self_attention", "mlp"] * 2)
-        for linear in DEFAULT_TARGETS
+        for linear in DEFAULT_TARGETS[:4]  # the GQA and MLP ones (the others are MLA's)
         if (block == "mlp") == linear.startswith("linear_fc")
         for factor in "AB"
     )
@@ -106,6 +106,46 @@ def test_mamba_mixer_targets_are_refused_attention_and_mlp_are_not():
     from megatron.core.transformer.mlp import MLP
 
     refuse_unsupported(model, [("decoder.layers.1.mlp.linear_fc1", linear, MLP.__new__(MLP))])
+
+
+class TELinear(torch.nn.Linear):
+    """Stands in for Megatron's `TELinear` (Transformer Engine needs CUDA): `te_linear_kind` reads the class
+    from `megatron.core.extensions.transformer_engine` and the instance's `parallel_mode`."""
+
+    parallel_mode = "duplicated"
+
+
+def _mla_attention_with_te_down_projection() -> torch.nn.Module:
+    """decoder.layers.0.self_attention.linear_kv_down_proj as the TE spec builds it."""
+    attention, layer, decoder, model = (torch.nn.Module() for _ in range(4))
+    attention.linear_kv_down_proj = TELinear(4, 4)
+    layer.self_attention = attention
+    decoder.layers = torch.nn.ModuleList([layer])
+    model.decoder = decoder
+    return model
+
+
+def test_te_spec_duplicated_mla_down_projection_is_refused_unless_excluded(monkeypatch):
+    """The TE spec builds MLA's down projections as duplicated `TELinear`s (no adapter grad domain fits them):
+    targeted (the defaults name them) is one line; excluded as the line says, attach goes on (and here finds
+    nothing else to adapt)."""
+    import importlib
+
+    from megatron_lora_patch.lora.config import LoraConfig, LoraConfigError
+    from megatron_lora_patch.lora.layers.attach import attach_adapters
+    from megatron_lora_patch.lora.layers.te import TE_MODULE
+
+    monkeypatch.setattr(importlib.import_module(TE_MODULE), "TELinear", TELinear)
+    model = _mla_attention_with_te_down_projection()
+    with pytest.raises(UnsupportedModelError) as refused:
+        attach_adapters(model, LoraConfig())
+    assert str(refused.value) == (
+        "LoRA on Transformer Engine duplicated linears (MLA's down projections in the TE spec) is not supported: "
+        "decoder.layers.0.self_attention.linear_kv_down_proj; add linear_q_down_proj,linear_kv_down_proj to "
+        "MEGATRON_LORA_EXCLUDE or build the model with the local spec (column-parallel down projections)"
+    )
+    with pytest.raises(LoraConfigError, match="excludes all 1 linear layers"):
+        attach_adapters(model, LoraConfig(exclude=("linear_kv_down_proj",)))
 
 
 def test_oracle_hybrid_model_runs_where_megatron_has_hybrid_model():

@@ -105,10 +105,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--model",
-        choices=("dense", "moe", "hybrid", "auto"),
+        choices=("dense", "moe", "hybrid", "mla", "auto"),
         default="auto",
         help="auto: the MoE model for topologies with ep/etp, the dense GQA model otherwise; "
-        "hybrid: a HybridModel of attention and MLP layers (Megatron-Core 0.18+)",
+        "hybrid: a HybridModel of attention and MLP layers (Megatron-Core 0.18+); "
+        "mla: multi-latent attention (DeepSeek-V3 shaped)",
     )
     parser.add_argument("--json", metavar="PATH", help="write the machine-readable report here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG heat map of per-layer errors (needs matplotlib)")

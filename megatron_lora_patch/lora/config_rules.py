@@ -16,7 +16,12 @@ from megatron_lora_patch.runtime.flags import ACCEPTED_BOOLEANS, parse_bool
 
 ENV_PREFIX = "MEGATRON_LORA_"
 CONFIG_FILE_VARIABLE = ENV_PREFIX + "CONFIG"
-DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+#: GQA attention and MLP linears, and multi-latent attention's (DeepSeek-V2 / V3: PEFT's q_proj or q_a_proj /
+#: q_b_proj, kv_a_proj_with_mqa, kv_b_proj; o_proj is `linear_proj`); a model has only some of them.
+DEFAULT_TARGETS = (
+    "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
+    "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+)
 INIT_CHOICES = ("kaiming", "gaussian")
 B_INIT_CHOICES = ("zero", "nonzero")
 SP_INPUT_CHOICES = ("keep", "regather")

@@ -45,7 +45,7 @@ from megatron_lora_patch.lora.config import (
 from megatron_lora_patch.lora.config import module_matches as _matches
 from megatron_lora_patch.lora.layers.shared_outer import share_outer_factors
 from megatron_lora_patch.lora.layers.trained_fully import is_trained_fully, mark
-from megatron_lora_patch.lora.layers.unsupported import refuse_unsupported
+from megatron_lora_patch.lora.layers.unsupported import refuse_duplicated, refuse_unsupported
 from megatron_lora_patch.lora.training.param_sync import hook_linear
 
 logger = logging.getLogger(__name__)
@@ -250,6 +250,7 @@ def attach_adapters(model: torch.nn.Module, config: Optional[LoraConfig] = None)
         if kind is not None:
             linears[name] = (kind, expert_index, module, parent)
     selected = _select(model, list(linears), config, labels)
+    refuse_duplicated([name for name in selected if linears[name][0][0] == "duplicated"])
     refuse_unsupported(model, ((name, *linears[name][2:]) for name in selected))
     trained_fully = mark(model, config, labels, selected)
     for name in selected:

@@ -57,7 +57,10 @@ TE_LINEARS = {
 
 
 def te_linear_kind(module: torch.nn.Module) -> Optional[Tuple[str, bool]]:
-    """(parallel mode, grouped) of a Megatron TE linear, else None; never imports TE itself."""
+    """(parallel mode, grouped) of a Megatron TE linear, else None; never imports TE itself.
+
+    A `TELinear(parallel_mode="duplicated")` (MLA's down projections in the TE spec) is
+    ("duplicated", False): a linear users can name, whose adapter `attach` refuses."""
     extensions = sys.modules.get(TE_MODULE)
     if extensions is None:
         return None
@@ -65,6 +68,9 @@ def te_linear_kind(module: torch.nn.Module) -> Optional[Tuple[str, bool]]:
         cls = getattr(extensions, name, None)
         if isinstance(cls, type) and isinstance(module, cls):
             return kind
+    plain = getattr(extensions, "TELinear", None)
+    if isinstance(plain, type) and isinstance(module, plain) and getattr(module, "parallel_mode", None) == "duplicated":
+        return "duplicated", False
     return None
 
 

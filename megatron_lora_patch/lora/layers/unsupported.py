@@ -17,11 +17,16 @@
 - The linears of Mamba / gated-delta-net mixers (`megatron.core.ssm`): `in_proj` packs
   `[z, x, B, C, dt]` (uneven `partition_sizes`) per TP shard, so a column adapter's B would
   not be sharded like the base weight. Attention and MLP linears of a hybrid model are fine.
+- Multi-latent attention's down projections in the Transformer Engine spec: Megatron builds them as
+  `TELinear(parallel_mode="duplicated")` (fused as `linear_qkv_down_proj` with `mla_down_proj_fusion`),
+  a full weight on every TP rank fed the rank's own sequence shard under SP. Their factors would be
+  replicated with grads that are partial per sequence shard under SP and complete without it: a grad
+  domain no adapter here has, so it is refused; the local spec builds them column-parallel (proven).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Tuple
+from typing import Iterable, List, Tuple
 
 import torch
 
@@ -29,6 +34,8 @@ from megatron_lora_patch.runtime.errors import UsageError
 from megatron_lora_patch.runtime.registry import warn_once
 
 SSM_PACKAGE = "megatron.core.ssm."
+#: MLA's down projections: column-parallel in the local spec, TE "duplicated" linears in the TE spec.
+MLA_DOWN_PROJECTIONS = ("linear_q_down_proj", "linear_kv_down_proj")
 
 
 class UnsupportedModelError(UsageError):
@@ -82,4 +89,16 @@ def refuse_unsupported(
         raise UnsupportedModelError(
             f"LoRA on Mamba/GDN mixer linears is not supported: {', '.join(mixers)}; drop them from "
             "MEGATRON_LORA_TARGETS or add them to MEGATRON_LORA_EXCLUDE (attention and MLP linears are supported)"
+        )
+
+
+
+def refuse_duplicated(names: List[str]) -> None:
+    """Raise `UnsupportedModelError` naming the selected Transformer Engine duplicated linears (the TE spec's
+    MLA down projections, see the module docstring)."""
+    if names:
+        raise UnsupportedModelError(
+            f"LoRA on Transformer Engine duplicated linears (MLA's down projections in the TE spec) is not "
+            f"supported: {', '.join(names)}; add {','.join(MLA_DOWN_PROJECTIONS)} to MEGATRON_LORA_EXCLUDE "
+            "or build the model with the local spec (column-parallel down projections)"
         )

@@ -48,6 +48,8 @@ DENSE = TinyGPTSpec(num_attention_heads=8, num_query_groups=4, num_layers=4)
 MOE = TinyGPTSpec.moe(num_attention_heads=8, num_query_groups=4, num_layers=2)
 #: A `HybridModel` (Megatron-Core 0.18+) alternating attention and MLP layers, the dense widths.
 HYBRID = TinyGPTSpec.hybrid("*-*-", num_attention_heads=8, num_query_groups=4)
+#: Multi-latent attention (DeepSeek-V3 shaped: q down / up, latent norms, YaRN, d_v != d_qk), 4 heads: TP up to 4.
+MLA = TinyGPTSpec.mla(num_layers=2)
 REFERENCE = "tp1"
 PACKED = "packed"
 DATA_LAYOUTS = ("unpacked", PACKED)
@@ -58,7 +60,7 @@ class OracleSettings:
     steps: int = 2
     dtype: str = "fp32"  # fp32 | bf16
     seed: int = 1234
-    model: str = "auto"  # dense | moe | hybrid | auto (MoE for topologies with ep / etp)
+    model: str = "auto"  # dense | moe | hybrid | mla | auto (MoE for topologies with ep / etp)
     layout_invariant: bool = False  # the layout_invariant patch on; every phase must match bitwise
     lora_rank: int = 4
     lora_alpha: float = 8.0
@@ -84,14 +86,14 @@ class OracleError(UsageError, ValueError):
 
 def model_for(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
     expert_parallel = topology.ep > 1 or topology.etp > 1
-    if settings.model in ("dense", "hybrid") and expert_parallel:
+    if settings.model in ("dense", "hybrid", "mla") and expert_parallel:
         raise OracleError(
             f"topology {topology} shards experts but --model {settings.model} has none; use --model auto or moe"
         )
     if settings.model == "hybrid" and importlib.util.find_spec("megatron.core.models.hybrid") is None:
         raise OracleError("--model hybrid needs Megatron-Core 0.18 or newer (HybridModel); use --model dense")
-    if settings.model == "hybrid":
-        spec = HYBRID
+    if settings.model in ("hybrid", "mla"):
+        spec = HYBRID if settings.model == "hybrid" else MLA
     else:
         spec = MOE if settings.model == "moe" or (settings.model == "auto" and expert_parallel) else DENSE
     spec = spec.replace(tie_embeddings=True) if settings.tie_embeddings else spec
@@ -103,6 +105,11 @@ def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
     """The model this topology runs, or one OracleError saying why it cannot run."""
     spec = model_for(topology, settings)
     _check_data(topology, settings)
+    if settings.layout_invariant and spec.family == "mla":
+        raise OracleError(
+            "--layout-invariant does not cover --model mla: its bitwise reduction order has not been proven on "
+            "MLA's latent projections (docs/architecture.md section 7); run MLA without --layout-invariant"
+        )
     if settings.layout_invariant and topology.cp > 1:
         raise OracleError(
             f"--layout-invariant covers tp, sp, dp, pp, ep and etp; {topology} also uses cp: use topologies like "
@@ -310,6 +317,10 @@ def describe_model(spec: TinyGPTSpec) -> str:
     """A short description for the report header."""
     experts = f", {spec.num_experts} experts top-{spec.moe_router_topk}" if spec.is_moe else ""
     experts += f", layers {spec.hybrid_pattern!r} (* attention, - MLP)" if spec.hybrid_pattern else ""
+    experts += (
+        f", MLA q_lora_rank {spec.q_lora_rank} kv_lora_rank {spec.kv_lora_rank} {spec.rope_type}"
+        if spec.family == "mla" else ""
+    )
     return (
         f"{spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_attention_heads} heads / "
         f"{spec.num_query_groups} query groups{experts}, seq {spec.seq_length}"
@@ -369,5 +380,5 @@ def _describe(settings: OracleSettings) -> dict:
     return dataclasses.asdict(settings) | {
         "thresholds": settings.thresholds,
         "models": {"dense": str(DENSE), "moe": str(MOE)},
-        "model_summaries": {spec.family: describe_model(spec) for spec in (DENSE, MOE, HYBRID)},
+        "model_summaries": {spec.family: describe_model(spec) for spec in (DENSE, MOE, HYBRID, MLA)},
     }

@@ -44,6 +44,11 @@ from megatron_lora_patch.proof.oracle.known_bugs import (
     wrong_qkv_packing,
     xavier_fan_in_local_shard,
 )
+from megatron_lora_patch.proof.oracle.known_bugs_mla import (
+    kv_adapter_after_latent_norm,
+    partial_rope_key_grad,
+    skip_tp_sum_mla_down_projection,
+)
 from megatron_lora_patch.proof.oracle.known_bugs_packed import (
     attention_across_packed_sequences,
     cp_chunks_across_sequences,
@@ -57,7 +62,7 @@ class Mutation:
     name: str
     bug: str  # what known bug it re-introduces, and where it was seen
     topology: str  # the topology that exposes it
-    model: str = "dense"  # "dense" | "moe"
+    model: str = "dense"  # "dense" | "moe" | "mla"
     install: Optional[Callable[[Patcher], None]] = None
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     lora: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -241,6 +246,31 @@ _ALL = (
         "tp2",
         install=lora_plus_ratio_on_a,
         options={"plus_ratio": 4.0},
+    ),
+    Mutation(
+        "mla_down_projection_grad_not_summed",
+        "The replicated factor of an MLA down projection (linear_q_down_proj / linear_kv_down_proj) keeps its "
+        "per-rank partial grad under SP, each rank having seen its own sequence shard (the MLA fix other "
+        "projects shipped after release).",
+        "tp2-sp",
+        model="mla",
+        install=skip_tp_sum_mla_down_projection,
+    ),
+    Mutation(
+        "kv_adapter_after_latent_layernorm",
+        "The kv down projection's LoRA term is added after MLA's latent layernorm (kv_layernorm) instead of to "
+        "the projection's output before it, where PEFT's kv_a_proj_with_mqa adapter sits.",
+        "dp2",
+        model="mla",
+        install=kv_adapter_after_latent_norm,
+    ),
+    Mutation(
+        "mla_rope_key_grad_partial",
+        "Megatron-Core's local-spec MLA: the RoPE key's grad stays a partial sum over TP behind the gather of "
+        "the column-parallel kv down projection (lora_linear sums it; lora/layers/mla_rope_key.py).",
+        "tp2",
+        model="mla",
+        install=partial_rope_key_grad,
     ),
 )
 

@@ -152,6 +152,11 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
         raise UsageError(str(error)) from None
     if mutation is not None and mutation.model == "moe" and not spec.is_moe:
         raise UsageError(f"mutation {mutation.name} needs a MoE model; your arguments have no --num-experts")
+    if mutation is not None and mutation.model == "mla":
+        raise UsageError(
+            f"mutation {mutation.name} needs multi-latent attention, which the preflight does not build; run it "
+            f"with `megatron-lora-patch oracle --mutations {mutation.name}`"
+        )
     parameters = _check_memory(spec, options.max_memory_gib)
     plan = Plan(
         spec,

@@ -14,6 +14,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megatron_lora_patch.proof.testbed import mla
+from megatron_lora_patch.proof.testbed.layer_specs import hybrid_stack_spec, layer_spec
+
 DEFAULT_SEED = 1234
 
 
@@ -41,10 +44,17 @@ class TinyGPTSpec:
     moe_ffn_hidden_size: Optional[int] = None  # defaults to ffn_hidden_size
     #: A `HybridModel` (Megatron-Core 0.18+) of attention (`*`) and MLP (`-`) layers, one char per layer.
     hybrid_pattern: Optional[str] = None
-    #: RMSNorm of each query and key head before RoPE (Qwen3's q_norm / k_norm).
+    #: RMSNorm of each query and key head before RoPE (Qwen3's q_norm / k_norm); with MLA the latent norms.
     qk_layernorm: bool = False
     #: Fed packed rows (THD, `testbed.packing`): the core attention is the testbed's packed attention at every CP.
     packed: bool = False
+    #: Multi-latent attention (DeepSeek-V2 / V3) when set: the kv latent width (`testbed.mla`).
+    kv_lora_rank: Optional[int] = None
+    q_lora_rank: Optional[int] = None  # MLA's query latent width; None: one `linear_q_proj`
+    qk_head_dim: int = 16
+    qk_pos_emb_head_dim: int = 8
+    v_head_dim: int = 12
+    rope_type: str = "yarn"  # MLA's RoPE: "rope" | "yarn"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -62,11 +72,22 @@ class TinyGPTSpec:
             )
         if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_query_groups:
             raise ValueError("hidden_size must divide by num_attention_heads, and heads by num_query_groups")
+        mla.check(self)
 
     @classmethod
     def moe(cls, dispatcher: str = "allgather", **overrides: Any) -> "TinyGPTSpec":
         """The MoE variant: 4 SequentialMLP experts, top-2 routing, the given token dispatcher."""
         return cls(num_experts=4, moe_token_dispatcher_type=dispatcher, **overrides)
+
+    @classmethod
+    def mla(cls, q_lora_rank: Optional[int] = 24, **overrides: Any) -> "TinyGPTSpec":
+        """The MLA variant (DeepSeek-V3 shaped, `q_lora_rank=None`: V2-Lite's `linear_q_proj`): latent norms
+        where the local spec can build them, YaRN RoPE, value head dim != query-key head dim."""
+        heads = overrides.get("num_attention_heads", cls.num_attention_heads)
+        options: dict[str, Any] = dict(
+            kv_lora_rank=16, q_lora_rank=q_lora_rank, qk_layernorm=q_lora_rank is not None, num_query_groups=heads
+        )  # MLA has no query groups: one key / value head per query head
+        return cls(**{**options, **overrides})
 
     def replace(self, **changes: Any) -> "TinyGPTSpec":
         return dataclasses.replace(self, **changes)
@@ -83,7 +104,7 @@ class TinyGPTSpec:
     @property
     def family(self) -> str:
         """dense | moe | hybrid: the model kind reports and oracle settings name."""
-        return "hybrid" if self.hybrid_pattern else "moe" if self.is_moe else "dense"
+        return "hybrid" if self.hybrid_pattern else "moe" if self.is_moe else "mla" if mla.is_mla(self) else "dense"
 
     def layer_kinds(self) -> str:
         """One char per layer: '*' attention + MLP (GPT), else the hybrid pattern's '*' / '-'."""
@@ -113,6 +134,8 @@ def _sharded_dimensions(spec: TinyGPTSpec) -> dict[str, dict[str, int]]:
     }
     if not spec.is_moe:  # every layer of the MoE model is an MoE layer: no dense MLP to split
         tensor["ffn_hidden_size"] = spec.ffn_hidden_size
+    if mla.is_mla(spec):
+        tensor.update(mla.tensor_sharded_dimensions(spec))
     return {"tp": tensor, "etp": {"moe_ffn_hidden_size": spec.expert_ffn_hidden_size} if spec.is_moe else {}}
 
 
@@ -152,6 +175,9 @@ def logical_shapes(spec: TinyGPTSpec) -> dict[str, tuple[int, ...]]:
         prefix = f"decoder.layers.{layer}."
         if kind in "G*":
             shapes[prefix + "input_layernorm.weight"] = (hidden,)
+        if kind in "G*" and mla.is_mla(spec):
+            shapes.update(mla.attention_shapes(spec, prefix + "self_attention."))
+        elif kind in "G*":
             shapes[prefix + "self_attention.linear_qkv.weight"] = (qkv_rows, hidden)
             shapes[prefix + "self_attention.linear_proj.weight"] = (hidden, spec.num_attention_heads * kv)
             if spec.qk_layernorm:
@@ -229,6 +255,7 @@ def transformer_config(
     """
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     dtype = spec.torch_dtype
     options: dict[str, Any] = dict(
@@ -270,36 +297,10 @@ def transformer_config(
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
         )
+    if mla.is_mla(spec):
+        options.update(mla.config_options(spec))
     options.update(overrides)
-    return TransformerConfig(**options)
-
-
-def layer_spec(spec: TinyGPTSpec, topology: Any = None):
-    """Megatron's local (non-TE) GPT layer spec: RMSNorm, SequentialMLP experts for MoE.
-
-    With cp > 1 or packed sequences the core attention is the testbed's
-    `cp_attention.ContextParallelDotProductAttention` (Megatron's local attention has neither);
-    otherwise, world size 1 included, it stays Megatron's own `DotProductAttention`.
-    """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    layer = get_gpt_layer_local_spec(
-        num_experts=spec.num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=spec.qk_layernorm
-    )
-    if getattr(topology, "cp", 1) > 1 or spec.packed:
-        from megatron_lora_patch.proof.testbed.cp_attention import ContextParallelDotProductAttention
-
-        layer.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention
-    return layer
-
-
-def hybrid_stack_spec(spec: TinyGPTSpec, topology: Any = None):
-    """A local (non-TE) `HybridStack` spec (Megatron-Core 0.18+; `MambaStack` before) for the attention
-    (`*`) and MLP (`-`) layers of a hybrid pattern, cut from the GPT local layer spec: their linears are
-    the GPT model's. No final norm (`logical_shapes` has none for a hybrid spec)."""
-    from megatron_lora_patch.proof.testbed.hybrid_stack import local_stack_spec
-
-    return local_stack_spec(layer_spec(spec, topology), final_norm=False)
+    return (MLATransformerConfig if mla.is_mla(spec) else TransformerConfig)(**options)
 
 
 def build_model(

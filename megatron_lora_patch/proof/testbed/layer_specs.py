@@ -1,0 +1,43 @@
+"""The testbed's Megatron layer specs: the local (non-TE) GPT layer spec, its core attention swapped where the
+topology or the data needs the testbed's (context parallelism, packed sequences, MLA's head widths), and the
+hybrid stack cut from it (`models.build_model` uses both)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from megatron_lora_patch.proof.testbed import mla
+
+if TYPE_CHECKING:
+    from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
+
+
+def layer_spec(spec: TinyGPTSpec, topology: Any = None):
+    """Megatron's local (non-TE) GPT layer spec: RMSNorm, SequentialMLP experts for MoE.
+
+    With cp > 1 or packed sequences the core attention is the testbed's
+    `cp_attention.ContextParallelDotProductAttention` (Megatron's local attention has neither);
+    otherwise, world size 1 included, it stays Megatron's own `DotProductAttention`.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    layer = get_gpt_layer_local_spec(
+        num_experts=spec.num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=spec.qk_layernorm,
+        multi_latent_attention=mla.is_mla(spec),
+    )
+    if getattr(topology, "cp", 1) > 1 or spec.packed:
+        from megatron_lora_patch.cpu_testbed.mla_attention import mla_attention_class
+        from megatron_lora_patch.proof.testbed.cp_attention import ContextParallelDotProductAttention
+
+        attention = mla_attention_class(ContextParallelDotProductAttention) if mla.is_mla(spec) else None
+        layer.submodules.self_attention.submodules.core_attention = attention or ContextParallelDotProductAttention
+    return layer
+
+
+def hybrid_stack_spec(spec: TinyGPTSpec, topology: Any = None):
+    """A local (non-TE) `HybridStack` spec (Megatron-Core 0.18+; `MambaStack` before) for the attention
+    (`*`) and MLP (`-`) layers of a hybrid pattern, cut from the GPT local layer spec: their linears are
+    the GPT model's. No final norm (`logical_shapes` has none for a hybrid spec)."""
+    from megatron_lora_patch.proof.testbed.hybrid_stack import local_stack_spec
+
+    return local_stack_spec(layer_spec(spec, topology), final_norm=False)
