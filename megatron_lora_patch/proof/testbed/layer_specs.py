@@ -1,18 +1,15 @@
 """The testbed's Megatron layer specs: the local (non-TE) GPT layer spec, its core attention swapped where the
 topology or the data needs the testbed's (context parallelism, packed sequences, MLA's head widths), and the
-hybrid stack cut from it (`models.build_model` uses both)."""
+hybrid stack cut from it (`models.build_model` uses both; `spec` is a `models.TinyGPTSpec`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megatron_lora_patch.proof.testbed import mla
 
-if TYPE_CHECKING:
-    from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 
-
-def layer_spec(spec: TinyGPTSpec, topology: Any = None):
+def layer_spec(spec: Any, topology: Any = None):
     """Megatron's local (non-TE) GPT layer spec: RMSNorm, SequentialMLP experts for MoE.
 
     With cp > 1 or packed sequences the core attention is the testbed's
@@ -34,7 +31,7 @@ def layer_spec(spec: TinyGPTSpec, topology: Any = None):
     return layer
 
 
-def hybrid_stack_spec(spec: TinyGPTSpec, topology: Any = None):
+def hybrid_stack_spec(spec: Any, topology: Any = None):
     """A local (non-TE) `HybridStack` spec (Megatron-Core 0.18+; `MambaStack` before) for the attention
     (`*`) and MLP (`-`) layers of a hybrid pattern, cut from the GPT local layer spec: their linears are
     the GPT model's. No final norm (`logical_shapes` has none for a hybrid spec)."""
