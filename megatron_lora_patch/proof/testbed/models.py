@@ -238,6 +238,19 @@ def _parallel_sizes(topology: Any) -> dict:
     )
 
 
+def _moe_options(spec: TinyGPTSpec) -> dict:
+    """The MoE fields of the config: SequentialMLP experts, no load-balancing loss."""
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_router_topk,
+        moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
+        moe_ffn_hidden_size=spec.expert_ffn_hidden_size,
+        moe_grouped_gemm=False,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+    )
+
+
 def transformer_config(
     spec: TinyGPTSpec,
     topology: Any = None,
@@ -288,15 +301,7 @@ def transformer_config(
         qk_layernorm=spec.qk_layernorm,
     )
     if spec.is_moe:
-        options.update(
-            num_moe_experts=spec.num_experts,
-            moe_router_topk=spec.moe_router_topk,
-            moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
-            moe_ffn_hidden_size=spec.expert_ffn_hidden_size,
-            moe_grouped_gemm=False,
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-        )
+        options.update(_moe_options(spec))
     if mla.is_mla(spec):
         options.update(mla.config_options(spec))
     options.update(overrides)
