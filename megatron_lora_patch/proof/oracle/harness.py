@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from megatron_lora_patch.layout_invariant.checks import expert_layout_problem
 from megatron_lora_patch.layout_invariant.tree import LANES
@@ -210,14 +210,15 @@ def make_job(topology: Topology, settings: OracleSettings, mutation: Optional[Mu
     return Job(spec, topology, train, context=context)
 
 
-def _on_step_end(spec: TinyGPTSpec, micro_batch_size: int, step: int, record: dict, chunks: list) -> None:
+def _on_step_end(spec: Any, micro_batch_size: int, step: int, record: dict, chunks: list) -> None:
     """`Capture.on_step_end`: the rank's forward-capture layout, recorded once (packed rows: every row is
-    split the same way, `testbed.packing`)."""
+    split the same way, `testbed.packing`). `spec`: a `TinyGPTSpec`, or the preflight's model of the user's
+    arguments (never packed)."""
     if step == 0:
         model = chunks[0]
         while hasattr(model, "module"):
             model = model.module
-        cu_seqlens = cu_seqlens_of(spec.seq_length).unsqueeze(0) if spec.packed else None
+        cu_seqlens = cu_seqlens_of(spec.seq_length).unsqueeze(0) if getattr(spec, "packed", False) else None
         record["extra"]["layout"] = canonical.rank_layout(model, spec.seq_length, micro_batch_size, cu_seqlens)
 
 

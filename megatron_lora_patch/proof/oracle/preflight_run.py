@@ -60,7 +60,7 @@ def _run(plan: Plan, topology, mutation):
     micro_batch_size = plan.spec.args.micro_batch_size
     capture = Capture(
         forward=canonical.is_captured,
-        on_step_end=functools.partial(_on_step_end, plan.spec.seq_length, micro_batch_size),
+        on_step_end=functools.partial(_on_step_end, plan.spec, micro_batch_size),
     )
     settings = TrainSettings(
         steps=plan.steps,
