@@ -26,9 +26,12 @@ UNTESTED = (
     "to train without it"
 )
 INSTALLED = importlib.metadata.version("megatron-core")
+#: The patches `lora_correct` turns on by default, in the order it applies them.
+DEFAULT_ON = ("lora_linear", "lora_checkpoint", "finalize_grads", "loss_normalization", "lora_plus")
 
 
 # -- a patch that cannot be delivered: stop when its target is imported -------------------------------
+
 def test_failing_demo_patch_stops_its_import():
     result = run_fresh(
         ["-c", "import megatron, demo_target; print('imported')"],
@@ -102,7 +105,7 @@ def test_allow_untested_applies_with_one_warning_per_patch(tmp_path):
     assert result.stderr.splitlines() == [
         f"megatron-lora-patch: untested: megatron-core 0.99.0 is outside the tested range {TESTED} of patch "
         f"{name}, applied because MEGATRON_LORA_ALLOW_UNTESTED is on"
-        for name in ("lora_linear", "lora_checkpoint", "finalize_grads", "loss_normalization")
+        for name in DEFAULT_ON
     ]
 
 
@@ -143,7 +146,7 @@ def test_status_of_lora_correct_on_the_installed_megatron():
     rows = {row["patch"]: row for row in document["patches"]}
     assert (code, document["error"], document["startup_hook"]["ran_here"]) == (0, None, True)
     assert {rows[name]["installed"] for name in rows} == {INSTALLED}
-    for name in ("lora_linear", "lora_checkpoint", "finalize_grads", "loss_normalization"):
+    for name in DEFAULT_ON:
         assert (rows[name]["state"], rows[name]["fresh_process"]) == ("applied", "applied"), rows[name]
 
 
