@@ -119,5 +119,7 @@ def world1(rank: int, world_size: int) -> Dict[str, Any]:
             found["mamba"] = mamba_findings(spec, topology, tokens)
         else:
             found["hybrid"] = hybrid_findings(spec, topology, tokens)
+    import megatron.core.optimizer  # noqa: F401  (lora_plus's target: a model run alone never imports it before 0.16)
+
     found["status"] = {row.patch: row.state for row in megatron_lora_patch.status()}
     return found
