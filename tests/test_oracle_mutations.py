@@ -25,16 +25,20 @@ MIN_RATIO = 100.0
 #: bf16 gates step 0 only, 3-4x above its rounding noise (proof/oracle/thresholds.py): every bug must
 #: still be caught there, with the smaller margin bf16's 8 mantissa bits allow (measured: 2.5x and up).
 BF16_MIN_RATIO = 2.0
-#: Smaller bf16 margins, each measured: Megatron's partial RoPE-key grad moves only the 8 RoPE columns of the
-#: kv latent's grads (1.79x at bf16 step 0, 3.6e3x in fp32).
-BF16_MIN_RATIOS = {"mla_rope_key_grad_partial": 1.5}
 CONTROL = Mutation("control_no_change", "No bug: the oracle's own patches only (checks that mutations revert).", "tp2")
 TWO_RANK = [mutation for mutation in MUTATIONS.values() if Topology.parse(mutation.topology).world_size == 2]
-#: Bugs that act only through the optimizer's update (a learning rate; params read before the update's
-#: all-gather): bf16 compares step 0, before any update, so they are judged at fp32 only (there by >= MIN_RATIO,
-#: like every other bug).
-UPDATE_ONLY = ("lora_plus_ratio_on_a", "adapter_param_gather_not_awaited")
-BF16_TWO_RANK = [mutation for mutation in TWO_RANK if mutation.name not in UPDATE_ONLY]
+#: Bugs bf16 cannot judge, each judged at fp32 only (there by >= MIN_RATIO, like every other bug), and why.
+#: No bf16 margin is lowered to let one pass.
+FP32_ONLY = {
+    # bf16 compares step 0, before any update: these act only through the update (a learning rate; params
+    # read before the update's all-gather)
+    "lora_plus_ratio_on_a": "update only",
+    "adapter_param_gather_not_awaited": "update only",
+    # moves only the 8 RoPE columns of the kv latent's grads: 1.79x at bf16 step 0, under BF16_MIN_RATIO
+    # (3.6e3x in fp32)
+    "mla_rope_key_grad_partial": "below bf16's resolution",
+}
+BF16_TWO_RANK = [mutation for mutation in TWO_RANK if mutation.name not in FP32_ONLY]
 
 #: Same bugs where their domain differs from a neighbouring one (4 ranks each).
 SLOW_VARIANTS = {
@@ -104,7 +108,7 @@ def bf16_two_rank_report():
 @pytest.mark.parametrize("name", [mutation.name for mutation in BF16_TWO_RANK])
 def test_mutation_is_caught_at_bf16(bf16_two_rank_report, name):
     """The bf16 gates are no noise band a known bug slips through (avg_instead_of_sum did)."""
-    _assert_caught(bf16_two_rank_report[name], BF16_MIN_RATIOS.get(name, BF16_MIN_RATIO))
+    _assert_caught(bf16_two_rank_report[name], BF16_MIN_RATIO)
 
 
 def test_bf16_control_matches_world1(bf16_two_rank_report):
