@@ -3,8 +3,9 @@
 It calls `megatron.training.pretrain` the way `pretrain_gpt.py` does for the installed
 Megatron-LM (0.17: argument providers; 0.18: a config container and a model provider;
 0.19+: a config container whose model config builds the model), with its own dataset
-provider (mock GPT data), `forward_step` / `loss_func` contract and NullTokenizer. Nothing
-in it knows about LoRA: the plugin comes in only through the environment.
+provider (mock GPT data, or `--data-path`'s indexed documents), `forward_step` / `loss_func`
+contract and NullTokenizer. Nothing in it knows about LoRA: the plugin comes in only through
+the environment.
 
 For the tests, `LOOP_RECORD_DIR` names a directory where each rank holding the loss (last
 pipeline stage, TP rank 0) writes `dp<rank>.json`: its per-microbatch (loss sum, tokens).
@@ -20,9 +21,10 @@ from functools import partial
 import torch
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
+from megatron.training.utils import get_blend_and_blend_per_split
 
 try:  # Megatron-LM 0.17 / 0.18: the helpers read the iterator themselves
     from megatron.training.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
@@ -109,13 +111,15 @@ def _tokenizer(args):
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """Mock GPT datasets, built on the end pipeline stages' TP rank 0 only."""
+    """GPT datasets (`--mock-data`, else `--data-path`'s indexed documents), built on the end pipeline stages'
+    TP rank 0 only."""
     args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=None,
-        blend_per_split=None,
+        blend=blend,
+        blend_per_split=blend_per_split,
         split=args.split,
         path_to_cache=args.data_cache_path,
         tokenizer=_tokenizer(args),
@@ -124,12 +128,13 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
     )
-    print_rank_0("> building mock GPT datasets ...")
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0(f"> building {dataset_type.__name__} datasets ...")
 
     def built_on_this_rank():
         return _first_or_last_stage(vp_stage) and parallel_state.get_tensor_model_parallel_rank() == 0
 
-    return BlendedMegatronDatasetBuilder(MockGPTDataset, train_val_test_num_samples, built_on_this_rank, config).build()
+    return BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples, built_on_this_rank, config).build()
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):

@@ -96,6 +96,8 @@ TRAIN_ARGS = [
     "--hidden-dropout",
     "0",
 ]
+SFT_DOCUMENTS = 64  # documents of 2 to 12 tokens: about 450 tokens, reused over the epochs GPTDataset needs
+SFT_DATA_FLAGS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 MOE_ARGS = ["--num-experts", "2", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather"]
 TOPOLOGIES = {  # name -> (extra arguments, ranks, data-parallel size)
     "tp1": ([], 1, 1),
@@ -134,8 +136,11 @@ def _run(command: list, env: dict, cwd: pathlib.Path, overrides: tuple = ()) -> 
     """`command` with the tiny model's Megatron-LM arguments (then `overrides`, which replace them), in a clean
     environment plus `env`."""
     environ = clean_environ(CUDA_DEVICE_MAX_CONNECTIONS="1", **env)
+    train = TRAIN_ARGS
+    if "--data-path" in command + list(overrides):  # documents instead of mock data (`sft_data_args`)
+        train = [argument for argument in TRAIN_ARGS if argument != "--mock-data"]
     return subprocess.run(
-        command + MODEL_ARGS + HOST_ARGS + TRAIN_ARGS + list(overrides),
+        command + MODEL_ARGS + HOST_ARGS + train + list(overrides),
         env=environ,
         capture_output=True,
         text=True,
@@ -144,11 +149,13 @@ def _run(command: list, env: dict, cwd: pathlib.Path, overrides: tuple = ()) -> 
     )
 
 
-def _launch(python, ranks: int, args: list, env: dict, record: pathlib.Path) -> subprocess.CompletedProcess:
+def _launch(
+    python, ranks: int, args: list, env: dict, record: pathlib.Path, overrides: tuple = ()
+) -> subprocess.CompletedProcess:
     """`torchrun` the launch script; each loss-holding rank records its microbatch losses in `record`."""
     record.mkdir()
     command = [str(python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(SCRIPT)]
-    done = _run(command + args, {**env, "LOOP_RECORD_DIR": str(record)}, record.parent)
+    done = _run(command + args, {**env, "LOOP_RECORD_DIR": str(record)}, record.parent, overrides)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return done
 
@@ -198,31 +205,60 @@ def _base_runs(root: pathlib.Path) -> dict:
     return runs
 
 
+def sft_data_args(root: pathlib.Path) -> list:
+    """Fine-tuning data as SFT users feed Megatron-LM today: an indexed dataset of short documents (2 to 12 tokens,
+    each ending in EOD) that GPTDataset packs into every row, with `--reset-position-ids --reset-attention-mask
+    --eod-mask-loss` (attention restarts at each document, EOD leaves the loss): the valid tokens differ per
+    microbatch and per DP rank, so only a global token normalization makes the topologies agree."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = root / "sft-documents"
+    eod = SPEC.vocab_size - 1  # the core NullTokenizer (0.17+) counts EOD in `--vocab-size` (the test sees masks act)
+    rng = numpy.random.default_rng(0)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.int32)
+    for length in rng.integers(2, 13, size=SFT_DOCUMENTS):
+        builder.add_document(numpy.append(rng.integers(0, eod, size=length - 1), eod).astype(numpy.int32), [length])
+    builder.finalize(f"{prefix}.idx")
+    return ["--data-path", str(prefix), "--split", "100,0,0", *SFT_DATA_FLAGS]
+
+
 def _fine_tune_runs(root: pathlib.Path, base: pathlib.Path) -> dict:
-    """LoRA on `base` on every topology, tp1's iteration 2 resumed on TP2, and --pretrained-checkpoint."""
+    """LoRA on `base` on every topology, tp1's iteration 2 resumed on TP2, and --pretrained-checkpoint, all on the
+    SFT data of `sft_data_args`."""
     runs = {}
+    data = sft_data_args(root)
     for name, (args, ranks, _) in TOPOLOGIES.items():
         runs[name] = _launch(
             sys.executable,
             ranks,
-            args + ["--load", str(base), "--finetune", "--save", str(root / name), "--save-interval", "2"],
+            args + data + ["--load", str(base), "--finetune", "--save", str(root / name), "--save-interval", "2"],
             LORA_ENV,
             root / f"rec-{name}",
         )
+    # The control: tp1's first two steps with Megatron-LM's own normalization (each microbatch by its own tokens)
+    runs["per-microbatch"] = _launch(
+        sys.executable,
+        1,
+        data + ["--load", str(base), "--finetune", "--save", str(root / "per-microbatch"), "--save-interval", "2"],
+        {**LORA_ENV, "MEGATRON_LORA_DISABLED_PATCHES": "loss_normalization"},
+        root / "rec-per-microbatch",
+        overrides=("--train-iters", "2"),
+    )
     resumed = root / "resumed"
     shutil.copytree(root / "tp1" / "iter_0000002", resumed / "iter_0000002")
     (resumed / "latest_checkpointed_iteration.txt").write_text("2")
     runs["resumed"] = _launch(
         sys.executable,
         2,
-        TOPOLOGIES["tp2"][0] + ["--load", str(resumed), "--save", str(resumed), "--save-interval", "2"],
+        TOPOLOGIES["tp2"][0] + data + ["--load", str(resumed), "--save", str(resumed), "--save-interval", "2"],
         LORA_ENV,
         root / "rec-resumed",
     )
     runs["pretrained"] = _launch(
         sys.executable,
         1,
-        ["--pretrained-checkpoint", str(base), "--dist-ckpt-strictness", "log_all"],
+        data + ["--pretrained-checkpoint", str(base), "--dist-ckpt-strictness", "log_all"],
         LORA_ENV,
         root / "rec-pretrained",
     )

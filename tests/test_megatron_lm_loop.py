@@ -1,5 +1,6 @@
 """The real Megatron-LM training loop, end to end (issue 15): pretrained base -> LoRA fine-tune
-on five topologies -> resume on another TP -> export -> peft.
+on five topologies -> resume on another TP -> export -> peft. The fine-tunes read SFT data as users feed it
+(packed documents, `--reset-position-ids --reset-attention-mask --eod-mask-loss`: `megatron_lm_runs.sft_data_args`).
 
 `megatron_lm_gpt.py` calls `megatron.training.pretrain` as `pretrain_gpt.py` does and is
 started with `torchrun` and Megatron-LM's own arguments; only the environment differs
@@ -12,6 +13,7 @@ fp32 thresholds (`oracle.thresholds`), the negative control is one training step
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 
 import pytest
@@ -31,6 +33,7 @@ from megatron_lm_runs import (  # noqa: E402
     BASE_INFO,
     ITERATIONS,
     LORA_ENV,
+    SPEC,
     TOPOLOGIES,
     _all_runs,
     assert_stops_before_training,
@@ -106,6 +109,18 @@ def test_one_step_of_training_is_far_outside_the_tolerance(loop):
     early = _deltas(_model_tensors(root / "tp1" / "iter_0000002"))
     final = _deltas(_model_tensors(root / "tp1"))
     assert max(_relative(early[key], final[key]) for key in final) >= 100 * DELTAS_LIMIT
+
+
+def test_sft_masks_make_a_per_microbatch_normalization_drift(loop):
+    """Negative control of the SFT data (`sft_data_args`): its masks leave unequal valid tokens per microbatch, so
+    tp1's first two steps normalized per microbatch (Megatron-LM's own mode, with `loss_normalization` disabled)
+    end >= 100x the delta threshold away from the global token normalization every topology above agrees on."""
+    root, _ = loop
+    tokens = [count for _, count in json.loads((root / "rec-tp1" / "dp0.json").read_text())]
+    assert min(tokens) < max(tokens) < SPEC.seq_length, tokens
+    expected = _deltas(_model_tensors(root / "tp1" / "iter_0000002"))
+    actual = _deltas(_model_tensors(root / "per-microbatch"))
+    assert max(_relative(actual[key], expected[key]) for key in expected) >= 100 * DELTAS_LIMIT
 
 
 def test_resume_on_tp2_equals_the_uninterrupted_tp1_run(loop):
