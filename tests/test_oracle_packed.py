@@ -31,6 +31,22 @@ def test_packed_model_is_fed_packed_rows():
     assert "cp4" not in ",".join(PACKED_TOPOLOGIES) and "tp2-cp2" in PACKED_TOPOLOGIES
 
 
+def test_masked_names_the_default_unpacked_rows_of_sft_masks():
+    """`--data masked` (unpacked SFT rows) is the default data: prompt prefixes and holes masked, counts unequal."""
+    import argparse
+
+    from megatron_lora_patch.cli import oracle as command
+    from megatron_lora_patch.proof.testbed.data import make_global_batch
+
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers())
+    arguments = [parser.parse_args(["oracle", "--data", data]) for data in ("masked", "unpacked")]
+    settings = [command.check_arguments(parsed)[2] for parsed in arguments]
+    assert settings[0] == settings[1] == harness.OracleSettings() and settings[0].data == "unpacked"
+    counts = make_global_batch(1, 8, 16, 128)["loss_mask"].sum(dim=1)
+    assert 0 < counts.min() < counts.max() < 16
+
+
 def test_default_topologies_match_world1_on_packed_data():
     _assert_passes(harness.run_oracle(DEFAULT_TOPOLOGIES, settings=PACKED), DEFAULT_TOPOLOGIES)
 

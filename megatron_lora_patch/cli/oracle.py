@@ -98,10 +98,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument(
         "--data",
-        choices=("unpacked", "packed"),
+        choices=("unpacked", "masked", "packed"),
         default="unpacked",
-        help="unpacked: one masked sample per row (default); packed: THD rows of three sequences of unequal "
-        "lengths, masked per sequence, split per sequence over CP (up to cp2)",
+        help="unpacked (default; also named masked): one sample per row, its SFT prompt prefix and seeded holes "
+        "masked, so valid tokens differ per sample, microbatch, DP and CP rank; packed: THD rows of three "
+        "sequences of unequal lengths, masked per sequence, split per sequence over CP (up to cp2)",
     )
     parser.add_argument(
         "--model",
@@ -162,7 +163,7 @@ def check_arguments(args: argparse.Namespace) -> tuple:
         layout_invariant=(layout := args.layout_invariant or _deprecated_tp_invariant(args)),
         global_batch_size=LAYOUT_GLOBAL_BATCH if layout else OracleSettings.global_batch_size,
         timeout_s=checks.seconds("--timeout", args.timeout),
-        data=args.data,
+        data="unpacked" if args.data == "masked" else args.data,  # the unpacked rows are the masked SFT case
     )
     default = LAYOUT_TOPOLOGIES if settings.layout_invariant else DEFAULT_TOPOLOGIES
     everything = ALL_TOPOLOGIES if settings.data == "unpacked" else PACKED_TOPOLOGIES
