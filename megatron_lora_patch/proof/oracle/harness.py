@@ -32,9 +32,11 @@ from megatron_lora_patch.proof.oracle.phases import STEP_KEY, adapter_shapes, ca
 from megatron_lora_patch.proof.oracle.report import MutationResult, OracleReport, TopologyResult
 from megatron_lora_patch.proof.oracle.settings import (  # noqa: F401  (harness.<name> stays valid for callers)
     DATA_LAYOUTS,
+    DEEPSEEK,
     DENSE,
     HYBRID,
     MLA,
+    MODELS,
     MOE,
     PACKED,
     REFERENCE,
@@ -265,5 +267,5 @@ def _describe(settings: OracleSettings) -> dict:
     return dataclasses.asdict(settings) | {
         "thresholds": settings.thresholds,
         "models": {"dense": str(DENSE), "moe": str(MOE)},
-        "model_summaries": {spec.family: describe_model(spec) for spec in (DENSE, MOE, HYBRID, MLA)},
+        "model_summaries": {spec.family: describe_model(spec) for spec in MODELS.values()},
     }
