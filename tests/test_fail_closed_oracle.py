@@ -101,6 +101,11 @@ BAD_INPUTS = {
         ["--model", "mla", "--topologies", "ep2"],
         "topology ep2 shards experts but --model mla has none; use --model auto, moe or deepseek",
     ),
+    "moe-model-tp-without-sp": (
+        ["--model", "deepseek", "--topologies", "tp2"],
+        "--model deepseek on tp2: Megatron-Core trains MoE layers under tensor parallelism only with sequence "
+        "parallelism; use tp2-sp",
+    ),
     "mla-model-layout-invariant": (
         ["--model", "mla", "--layout-invariant", "--topologies", "tp2"],
         "--layout-invariant does not cover --model mla: its bitwise reduction order has not been proven on MLA's "

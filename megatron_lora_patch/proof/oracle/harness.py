@@ -120,13 +120,15 @@ def make_job(topology: Topology, settings: OracleSettings, mutation: Optional[Mu
 
 
 def _on_step_end(spec: Any, micro_batch_size: int, step: int, record: dict, chunks: list) -> None:
-    """`Capture.on_step_end`: the rank's forward-capture layout, recorded once (packed rows: every row is
+    """`Capture.on_step_end`: the routers' expert biases after every step, and the rank's forward-capture
+    layout, recorded once (packed rows: every row is
     split the same way, `testbed.packing`). `spec`: a `TinyGPTSpec`, or the preflight's model of the user's
     arguments (never packed)."""
+    model = chunks[0]
+    while hasattr(model, "module"):
+        model = model.module
+    record["extra"]["expert_bias"] = canonical.expert_biases(model)
     if step == 0:
-        model = chunks[0]
-        while hasattr(model, "module"):
-            model = model.module
         cu_seqlens = cu_seqlens_of(spec.seq_length).unsqueeze(0) if getattr(spec, "packed", False) else None
         record["extra"]["layout"] = canonical.rank_layout(model, spec.seq_length, micro_batch_size, cu_seqlens)
 

@@ -89,16 +89,16 @@ def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
     """The model this topology runs, or one OracleError saying why it cannot run."""
     spec = model_for(topology, settings)
     _check_data(topology, settings)
-    if spec.is_moe and topology.tp > 1 and not topology.sp:
-        raise OracleError(
-            f"--model {spec.family} on {topology}: Megatron-Core trains MoE layers under tensor parallelism only "
-            f"with sequence parallelism; use {topology}-sp"
-        )
     uncovered = _not_layout_invariant(spec)
     if settings.layout_invariant and uncovered:
         raise OracleError(
             f"--layout-invariant does not cover --model {spec.family}: {uncovered} (docs/architecture.md section 7); "
             f"run --model {spec.family} without --layout-invariant"
+        )
+    if spec.is_moe and topology.tp > 1 and not topology.sp:
+        raise OracleError(
+            f"--model {spec.family} on {topology}: Megatron-Core trains MoE layers under tensor parallelism only "
+            f"with sequence parallelism; use {topology}-sp"
         )
     if settings.layout_invariant and topology.cp > 1:
         raise OracleError(
