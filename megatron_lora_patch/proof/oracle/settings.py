@@ -76,6 +76,11 @@ def model_for(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
         )
     if settings.model == "hybrid" and importlib.util.find_spec("megatron.core.models.hybrid") is None:
         raise OracleError("--model hybrid needs Megatron-Core 0.18 or newer (HybridModel); use --model dense")
+    if settings.model in ("mla", "deepseek") and _megatron_core_version() < (0, 14):
+        raise OracleError(
+            f"--model {settings.model} needs Megatron-Core 0.14 or newer (the testbed's MLA sets YaRN's "
+            "original_max_position_embeddings, which 0.13 lacks); use --model dense or moe"
+        )
     if settings.model == "auto":
         spec = MOE if expert_parallel else DENSE
     else:
@@ -83,6 +88,13 @@ def model_for(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
     spec = spec.replace(tie_embeddings=True) if settings.tie_embeddings else spec
     spec = spec.replace(packed=True) if settings.data == PACKED else spec
     return spec.replace(dtype="bfloat16") if settings.dtype == "bf16" else spec
+
+
+def _megatron_core_version() -> tuple:
+    """The installed Megatron-Core's (major, minor), read from its metadata (nothing is imported)."""
+    from importlib.metadata import version
+
+    return tuple(int(part) for part in version("megatron-core").split(".")[:2])
 
 
 def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
