@@ -91,10 +91,15 @@ def model_for(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
 
 
 def _megatron_core_version() -> tuple:
-    """The installed Megatron-Core's (major, minor), read from its metadata (nothing is imported)."""
-    from importlib.metadata import version
+    """The installed Megatron-Core's (major, minor): from its distribution's metadata, or, for a source checkout
+    on the path (no distribution), from `megatron.core.package_info`."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return tuple(int(part) for part in version("megatron-core").split(".")[:2])
+    try:
+        text = version("megatron-core")
+    except PackageNotFoundError:
+        from megatron.core.package_info import __version__ as text
+    return tuple(int(part) for part in text.split(".")[:2])
 
 
 def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
