@@ -14,7 +14,7 @@ from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 @pytest.mark.parametrize("q_lora_rank, topologies", [(24, ["tp2-sp", "cp2"]), (None, ["tp2-sp"])],
                          ids=["q-down-up", "q-proj"])
 def test_mla_matches_world1(monkeypatch, q_lora_rank, topologies):
-    monkeypatch.setattr(harness, "MLA", TinyGPTSpec.mla(q_lora_rank=q_lora_rank, num_layers=2))
+    monkeypatch.setitem(harness.MODELS, "mla", TinyGPTSpec.mla(q_lora_rank=q_lora_rank, num_layers=2))
     report = harness.run_oracle(topologies, (), harness.OracleSettings(model="mla"))
     print(report.table())
     assert [result.model for result in report.topologies] == ["mla"] * len(topologies)

@@ -106,11 +106,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--model",
-        choices=("dense", "moe", "hybrid", "mla", "auto"),
+        choices=("dense", "moe", "hybrid", "mla", "deepseek", "auto"),
         default="auto",
         help="auto: the MoE model for topologies with ep/etp, the dense GQA model otherwise; "
         "hybrid: a HybridModel of attention and MLP layers (Megatron-Core 0.18+); "
-        "mla: multi-latent attention (DeepSeek-V3 shaped)",
+        "mla: multi-latent attention (DeepSeek-V3 shaped); deepseek: MLA plus DeepSeek-V3's MoE routing "
+        "(sigmoid, expert bias, group-limited top-k, scaling factor), a shared expert, a leading dense layer",
     )
     parser.add_argument("--json", metavar="PATH", help="write the machine-readable report here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG heat map of per-layer errors (needs matplotlib)")
@@ -166,6 +167,8 @@ def check_arguments(args: argparse.Namespace) -> tuple:
         data="unpacked" if args.data == "masked" else args.data,  # the unpacked rows are the masked SFT case
     )
     default = LAYOUT_TOPOLOGIES if settings.layout_invariant else DEFAULT_TOPOLOGIES
+    if settings.model in ("moe", "deepseek"):  # Megatron-Core trains MoE layers under TP only with SP
+        default = tuple(spec for spec in default if Topology.parse(spec).tp == 1 or Topology.parse(spec).sp)
     everything = ALL_TOPOLOGIES if settings.data == "unpacked" else PACKED_TOPOLOGIES
     topologies = _select(args.topologies, "--topologies", {"default": default, "all": everything})
     mutations = mutations_named(_select(args.mutations, "--mutations", {"none": (), "all": tuple(MUTATIONS)}))

@@ -92,9 +92,20 @@ def check_moe(config: Any) -> None:
     if config.moe_token_dispatcher_type not in ("allgather", "alltoall"):
         _refuse(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}: the chunked experts read the "
                 "allgather or alltoall dispatcher's segments; set moe_token_dispatcher_type='allgather' or 'alltoall'")
-    for name, wanted, why in _MOE_SETTINGS:
-        if getattr(config, name, wanted) != wanted:
-            _refuse(f"{name}={getattr(config, name)!r}: {why}")
+    problem = moe_settings_problem(config)
+    if problem:
+        _refuse(problem)
+
+
+def moe_settings_problem(config: Any) -> Optional[str]:
+    """Every MoE setting of `config` (a `TransformerConfig`, or anything with its field names, such as the
+    oracle's model spec) that the mode does not cover, with why and what to set; None if there is none."""
+    problems = [
+        f"{name}={getattr(config, name)!r}: {why}"
+        for name, wanted, why in _MOE_SETTINGS
+        if getattr(config, name, wanted) != wanted
+    ]
+    return "; ".join(problems) or None
 
 
 def _check_shared_outer() -> None:

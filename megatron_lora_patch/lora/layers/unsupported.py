@@ -14,6 +14,9 @@
   TP collectives (`explicit_expert_comm`), so the adapters' terms ride Megatron's pre-reduction partials as on
   routed experts (lora/layers/linear.py), but the overlapped schedule needs CUDA streams and has never run
   here; `megatron-lora-patch preflight` on the user's nodes is the check.
+- Multi-token prediction (`--mtp-num-layers`, DeepSeek-V3). Megatron-Core 0.19 builds its layers on CPU with the
+  local spec, but neither the adapters on them (`eh_proj`, the MTP transformer layer) nor the MTP loss's grads
+  reaching the decoder's adapters have been compared with world size 1 on any topology: refused.
 - The linears of Mamba / gated-delta-net mixers (`megatron.core.ssm`): `in_proj` packs
   `[z, x, B, C, dt]` (uneven `partition_sizes`) per TP shard, so a column adapter's B would
   not be sharded like the base weight. Attention and MLP linears of a hybrid model are fine.
@@ -73,6 +76,11 @@ def refuse_unsupported(
         raise UnsupportedModelError(
             f"LoRA is not supported with CUDA graphs ({graphs}); set --cuda-graph-impl none (and leave out "
             "--enable-cuda-graph / --external-cuda-graph)"
+        )
+    if getattr(config, "mtp_num_layers", None):
+        raise UnsupportedModelError(
+            f"LoRA with multi-token prediction (--mtp-num-layers {config.mtp_num_layers}) is not supported: its "
+            "layers and their loss have not been checked against world size 1 here; leave out --mtp-num-layers"
         )
     if getattr(config, "moe_shared_expert_overlap", False):
         warn_once("moe-shared-expert-overlap", "LoRA with --moe-shared-expert-overlap has not run on a GPU here; "

@@ -69,6 +69,36 @@ def rank_layout(model: torch.nn.Module, seq_length: int, micro_batch_size: int, 
     }
 
 
+def expert_biases(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """`{"<router>.expert_bias": tensor}` of this rank's routers that keep DeepSeek's aux-loss-free expert bias.
+
+    The bias is a base buffer, not a LoRA parameter, yet it changes every step (Megatron's
+    `finalize_model_grads` moves it from the tokens per expert counted over TP x DP x CP); every rank of a
+    stage holds the whole vector."""
+    from megatron_lora_patch.lora.layers.attach import canonical_modules
+
+    canonical = {id(module): name for name, _, module, _ in canonical_modules(model)}
+    return {
+        f"{canonical[id(module)]}.expert_bias": module.expert_bias.detach().float().cpu().clone()
+        for module in model.modules()
+        if _is_router(module) and getattr(module, "expert_bias", None) is not None
+    }
+
+
+def agreed_expert_biases(records: List[dict]) -> Dict[str, torch.Tensor]:
+    """`{"step<j>/<router>.expert_bias": tensor}` after each step, in world-1 layout: the ranks' copies where
+    they agree; where they do not (a layout-dependent update), their mean, which then differs from world-1's."""
+    copies: Dict[str, list] = {}
+    for record in records:
+        for step, entry in enumerate(record["steps"]):
+            for name, bias in entry["extra"].get("expert_bias", {}).items():
+                copies.setdefault(f"step{step}/{name}", []).append(bias)
+    return {
+        key: tensors[0] if all(torch.equal(tensor, tensors[0]) for tensor in tensors) else torch.stack(tensors).mean(0)
+        for key, tensors in copies.items()
+    }
+
+
 def forward_outputs(records: List[dict], step: int = 0, kind: str = LINEAR) -> Dict[str, torch.Tensor]:
     """`{"<module>@mb<global microbatch>": [seq, batch, features] tensor}` of step `step`:
     adapted linears' outputs (`kind="linear"`) or routers' routing maps (`kind="routing"`).

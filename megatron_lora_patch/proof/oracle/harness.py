@@ -32,9 +32,11 @@ from megatron_lora_patch.proof.oracle.phases import STEP_KEY, adapter_shapes, ca
 from megatron_lora_patch.proof.oracle.report import MutationResult, OracleReport, TopologyResult
 from megatron_lora_patch.proof.oracle.settings import (  # noqa: F401  (harness.<name> stays valid for callers)
     DATA_LAYOUTS,
+    DEEPSEEK,
     DENSE,
     HYBRID,
     MLA,
+    MODELS,
     MOE,
     PACKED,
     REFERENCE,
@@ -118,13 +120,15 @@ def make_job(topology: Topology, settings: OracleSettings, mutation: Optional[Mu
 
 
 def _on_step_end(spec: Any, micro_batch_size: int, step: int, record: dict, chunks: list) -> None:
-    """`Capture.on_step_end`: the rank's forward-capture layout, recorded once (packed rows: every row is
+    """`Capture.on_step_end`: the routers' expert biases after every step, and the rank's forward-capture
+    layout, recorded once (packed rows: every row is
     split the same way, `testbed.packing`). `spec`: a `TinyGPTSpec`, or the preflight's model of the user's
     arguments (never packed)."""
+    model = chunks[0]
+    while hasattr(model, "module"):
+        model = model.module
+    record["extra"]["expert_bias"] = canonical.expert_biases(model)
     if step == 0:
-        model = chunks[0]
-        while hasattr(model, "module"):
-            model = model.module
         cu_seqlens = cu_seqlens_of(spec.seq_length).unsqueeze(0) if getattr(spec, "packed", False) else None
         record["extra"]["layout"] = canonical.rank_layout(model, spec.seq_length, micro_batch_size, cu_seqlens)
 
@@ -265,5 +269,5 @@ def _describe(settings: OracleSettings) -> dict:
     return dataclasses.asdict(settings) | {
         "thresholds": settings.thresholds,
         "models": {"dense": str(DENSE), "moe": str(MOE)},
-        "model_summaries": {spec.family: describe_model(spec) for spec in (DENSE, MOE, HYBRID, MLA)},
+        "model_summaries": {spec.family: describe_model(spec) for spec in MODELS.values()},
     }

@@ -49,6 +49,7 @@ from megatron_lora_patch.proof.oracle.known_bugs_mla import (
     partial_rope_key_grad,
     skip_tp_sum_mla_down_projection,
 )
+from megatron_lora_patch.proof.oracle.known_bugs_moe import expert_bias_from_local_counts
 from megatron_lora_patch.proof.oracle.known_bugs_packed import (
     attention_across_packed_sequences,
     cp_chunks_across_sequences,
@@ -62,7 +63,7 @@ class Mutation:
     name: str
     bug: str  # what known bug it re-introduces, and where it was seen
     topology: str  # the topology that exposes it
-    model: str = "dense"  # "dense" | "moe" | "mla"
+    model: str = "dense"  # "dense" | "moe" | "mla" | "deepseek"
     install: Optional[Callable[[Patcher], None]] = None
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     lora: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -271,6 +272,14 @@ _ALL = (
         "tp2",
         model="mla",
         install=partial_rope_key_grad,
+    ),
+    Mutation(
+        "expert_bias_from_local_counts",
+        "DeepSeek's aux-loss-free expert bias is moved by each rank's own tokens per expert instead of the count "
+        "over TP x DP x CP that Megatron-Core all-reduces, so the bias and the routing it steers depend on the layout.",
+        "dp2",
+        model="deepseek",
+        install=expert_bias_from_local_counts,
     ),
 )
 

@@ -1,5 +1,6 @@
 """The phases a run is compared on (docs/architecture.md section 8): its captures put in world-1 layout
-and keyed per phase (forward, loss, grads, grad_norm, deltas; MoE routing apart), and the per-phase
+and keyed per phase (forward, loss, grads, grad_norm, deltas with the routers' expert bias after each step;
+MoE routing apart), and the per-phase
 comparison against the reference, each key judged at the threshold of its optimizer step."""
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def canonical_phases(records: List[dict], spec: TinyGPTSpec, shapes: Dict[str, t
             phases["grads"][f"step{step}/{name}"] = grad
     final = result["steps"][-1]["params"]
     phases["deltas"] = {name: final[name] - result["initial_params"][name] for name in final}
+    # DeepSeek's expert bias, a base buffer that starts at zero and moves every step: its value after each step
+    # is its delta so far, judged with the deltas (it must not depend on the layout)
+    phases["deltas"].update(canonical.agreed_expert_biases(records))
     return phases
 
 

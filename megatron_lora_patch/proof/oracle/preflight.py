@@ -150,13 +150,7 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
         check_widths(spec, topology)  # Megatron asserts these only when a rank builds the layer
     except TopologyError as error:
         raise UsageError(str(error)) from None
-    if mutation is not None and mutation.model == "moe" and not spec.is_moe:
-        raise UsageError(f"mutation {mutation.name} needs a MoE model; your arguments have no --num-experts")
-    if mutation is not None and mutation.model == "mla":
-        raise UsageError(
-            f"mutation {mutation.name} needs multi-latent attention, which the preflight does not build; run it "
-            f"with `megatron-lora-patch oracle --mutations {mutation.name}`"
-        )
+    _check_mutation(mutation, spec, args)
     parameters = _check_memory(spec, options.max_memory_gib)
     plan = Plan(
         spec,
@@ -175,6 +169,24 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
     if plan.data_path:
         _check_data(plan)
     return plan
+
+
+def _check_mutation(mutation, spec, args: argparse.Namespace) -> None:
+    """One UsageError where the user's model lacks what the mutation's bug lives in (it would change nothing)."""
+    if mutation is None:
+        return
+    if mutation.model == "moe" and not spec.is_moe:
+        raise UsageError(f"mutation {mutation.name} needs a MoE model; your arguments have no --num-experts")
+    if mutation.model == "deepseek" and not getattr(args, "moe_router_enable_expert_bias", False):
+        raise UsageError(
+            f"mutation {mutation.name} needs a MoE router with the expert bias; your arguments have no "
+            "--moe-router-enable-expert-bias"
+        )
+    if mutation.model == "mla":
+        raise UsageError(
+            f"mutation {mutation.name} needs multi-latent attention, which the preflight does not build; run it "
+            f"with `megatron-lora-patch oracle --mutations {mutation.name}`"
+        )
 
 
 def _compared_lora(environ) -> tuple:

@@ -11,9 +11,10 @@ import dataclasses
 import importlib.util
 from typing import Dict, Optional
 
-from megatron_lora_patch.layout_invariant.checks import expert_layout_problem
+from megatron_lora_patch.layout_invariant.checks import expert_layout_problem, moe_settings_problem
 from megatron_lora_patch.layout_invariant.tree import LANES
 from megatron_lora_patch.proof.oracle import thresholds as limits
+from megatron_lora_patch.proof.testbed import mla
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec, check_topology_fits
 from megatron_lora_patch.proof.testbed.packing import MAX_PACKED_CP
 from megatron_lora_patch.proof.testbed.topology import Topology
@@ -27,6 +28,11 @@ MOE = TinyGPTSpec.moe(num_attention_heads=8, num_query_groups=4, num_layers=2)
 HYBRID = TinyGPTSpec.hybrid("*-*-", num_attention_heads=8, num_query_groups=4)
 #: Multi-latent attention (DeepSeek-V3 shaped: q down / up, latent norms, YaRN, d_v != d_qk), 4 heads: TP up to 4.
 MLA = TinyGPTSpec.mla(num_layers=2)
+#: DeepSeek-V3 shaped: MLA, a leading dense layer, then a MoE layer routed as DeepSeek-V3 routes (sigmoid scores,
+#: the aux-loss-free expert bias, group-limited top-4 of 8 experts, a routed scaling factor) plus a shared expert.
+DEEPSEEK = TinyGPTSpec.deepseek(num_layers=2)
+#: The models by `--model` name (auto picks dense or moe).
+MODELS = {"dense": DENSE, "moe": MOE, "hybrid": HYBRID, "mla": MLA, "deepseek": DEEPSEEK}
 REFERENCE = "tp1"
 PACKED = "packed"
 DATA_LAYOUTS = ("unpacked", PACKED)
@@ -37,7 +43,7 @@ class OracleSettings:
     steps: int = 2
     dtype: str = "fp32"  # fp32 | bf16
     seed: int = 1234
-    model: str = "auto"  # dense | moe | hybrid | mla | auto (MoE for topologies with ep / etp)
+    model: str = "auto"  # dense | moe | hybrid | mla | deepseek | auto (MoE for topologies with ep / etp)
     layout_invariant: bool = False  # the layout_invariant patch on; every phase must match bitwise
     lora_rank: int = 4
     lora_alpha: float = 8.0
@@ -65,27 +71,51 @@ def model_for(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
     expert_parallel = topology.ep > 1 or topology.etp > 1
     if settings.model in ("dense", "hybrid", "mla") and expert_parallel:
         raise OracleError(
-            f"topology {topology} shards experts but --model {settings.model} has none; use --model auto or moe"
+            f"topology {topology} shards experts but --model {settings.model} has none; "
+            "use --model auto, moe or deepseek"
         )
     if settings.model == "hybrid" and importlib.util.find_spec("megatron.core.models.hybrid") is None:
         raise OracleError("--model hybrid needs Megatron-Core 0.18 or newer (HybridModel); use --model dense")
-    if settings.model in ("hybrid", "mla"):
-        spec = HYBRID if settings.model == "hybrid" else MLA
+    if settings.model in ("mla", "deepseek") and _megatron_core_version() < (0, 14):
+        raise OracleError(
+            f"--model {settings.model} needs Megatron-Core 0.14 or newer (the testbed's MLA sets YaRN's "
+            "original_max_position_embeddings, which 0.13 lacks); use --model dense or moe"
+        )
+    if settings.model == "auto":
+        spec = MOE if expert_parallel else DENSE
     else:
-        spec = MOE if settings.model == "moe" or (settings.model == "auto" and expert_parallel) else DENSE
+        spec = MODELS[settings.model]
     spec = spec.replace(tie_embeddings=True) if settings.tie_embeddings else spec
     spec = spec.replace(packed=True) if settings.data == PACKED else spec
     return spec.replace(dtype="bfloat16") if settings.dtype == "bf16" else spec
+
+
+def _megatron_core_version() -> tuple:
+    """The installed Megatron-Core's (major, minor): from its distribution's metadata, or, for a source checkout
+    on the path (no distribution), from `megatron.core.package_info`."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        text = version("megatron-core")
+    except PackageNotFoundError:
+        from megatron.core.package_info import __version__ as text
+    return tuple(int(part) for part in text.split(".")[:2])
 
 
 def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
     """The model this topology runs, or one OracleError saying why it cannot run."""
     spec = model_for(topology, settings)
     _check_data(topology, settings)
-    if settings.layout_invariant and spec.family == "mla":
+    uncovered = _not_layout_invariant(spec)
+    if settings.layout_invariant and uncovered:
         raise OracleError(
-            "--layout-invariant does not cover --model mla: its bitwise reduction order has not been proven on "
-            "MLA's latent projections (docs/architecture.md section 7); run MLA without --layout-invariant"
+            f"--layout-invariant does not cover --model {spec.family}: {uncovered} (docs/architecture.md section 7); "
+            f"run --model {spec.family} without --layout-invariant"
+        )
+    if spec.is_moe and topology.tp > 1 and not topology.sp:
+        raise OracleError(
+            f"--model {spec.family} on {topology}: Megatron-Core trains MoE layers under tensor parallelism only "
+            f"with sequence parallelism; use {topology}-sp"
         )
     if settings.layout_invariant and topology.cp > 1:
         raise OracleError(
@@ -101,6 +131,15 @@ def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
         )
     check_topology_fits(spec, topology)
     return spec
+
+
+def _not_layout_invariant(spec: TinyGPTSpec) -> str:
+    """What of `spec` the layout-invariant mode does not cover ('' if nothing): MLA, and the MoE settings
+    `layout_invariant.checks` refuses (DeepSeek's expert bias and shared experts)."""
+    problems = [moe_settings_problem(spec) or ""] if spec.is_moe else []
+    if mla.is_mla(spec):
+        problems.append("its bitwise reduction order has not been proven on MLA's latent projections")
+    return "; ".join(problem for problem in problems if problem)
 
 
 def _check_data(topology: Topology, settings: OracleSettings) -> None:
@@ -134,7 +173,13 @@ def describe_model(spec: TinyGPTSpec) -> str:
     experts += f", layers {spec.hybrid_pattern!r} (* attention, - MLP)" if spec.hybrid_pattern else ""
     experts += (
         f", MLA q_lora_rank {spec.q_lora_rank} kv_lora_rank {spec.kv_lora_rank} {spec.rope_type}"
-        if spec.family == "mla" else ""
+        if mla.is_mla(spec) else ""
+    )
+    experts += (
+        f", {spec.moe_router_score_function} router, expert bias, {spec.moe_router_group_topk} of "
+        f"{spec.moe_router_num_groups} groups, scale {spec.moe_router_topk_scaling_factor}, shared expert "
+        f"{spec.moe_shared_expert_intermediate_size}, {spec.first_dense_layers} dense layer(s) first"
+        if spec.family == "deepseek" else ""
     )
     return (
         f"{spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_attention_heads} heads / "

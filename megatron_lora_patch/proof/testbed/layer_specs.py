@@ -9,8 +9,9 @@ from typing import Any
 from megatron_lora_patch.proof.testbed import mla
 
 
-def layer_spec(spec: Any, topology: Any = None):
-    """Megatron's local (non-TE) GPT layer spec: RMSNorm, SequentialMLP experts for MoE.
+def layer_spec(spec: Any, topology: Any = None, *, dense: bool = False):
+    """Megatron's local (non-TE) GPT layer spec: RMSNorm, SequentialMLP experts for MoE (`dense`: the dense MLP
+    of a MoE model's leading dense layers).
 
     With cp > 1 or packed sequences the core attention is the testbed's
     `cp_attention.ContextParallelDotProductAttention` (Megatron's local attention has neither);
@@ -19,8 +20,8 @@ def layer_spec(spec: Any, topology: Any = None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     layer = get_gpt_layer_local_spec(
-        num_experts=spec.num_experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=spec.qk_layernorm,
-        multi_latent_attention=mla.is_mla(spec),
+        num_experts=None if dense else spec.num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
+        qk_layernorm=spec.qk_layernorm, multi_latent_attention=mla.is_mla(spec),
     )
     if getattr(topology, "cp", 1) > 1 or spec.packed:
         from megatron_lora_patch.cpu_testbed.mla_attention import mla_attention_class
@@ -29,6 +30,22 @@ def layer_spec(spec: Any, topology: Any = None):
         attention = mla_attention_class(ContextParallelDotProductAttention) if mla.is_mla(spec) else None
         layer.submodules.self_attention.submodules.core_attention = attention or ContextParallelDotProductAttention
     return layer
+
+
+def gpt_block_spec(spec: Any, topology: Any = None):
+    """The GPT decoder's spec: one layer spec for every layer, or, with `first_dense_layers` (DeepSeek's
+    `moe_layer_freq`), this pipeline stage's slice of dense-then-MoE layer specs (even stages, as the testbed
+    splits them), with the final norm Megatron gives a plain layer spec."""
+    if not spec.first_dense_layers:
+        return layer_spec(spec, topology)
+    from megatron.core import parallel_state
+    from megatron.core.transformer import transformer_block
+
+    dense, moe = layer_spec(spec, topology, dense=True), layer_spec(spec, topology)
+    per_stage = spec.num_layers // getattr(topology, "pp", 1)
+    first = parallel_state.get_pipeline_model_parallel_rank() * per_stage
+    layers = [dense if layer < spec.first_dense_layers else moe for layer in range(first, first + per_stage)]
+    return transformer_block.TransformerBlockSubmodules(layer_specs=layers, layer_norm=transformer_block.LayerNormImpl)
 
 
 def hybrid_stack_spec(spec: Any, topology: Any = None):

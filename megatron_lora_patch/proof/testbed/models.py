@@ -14,7 +14,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_lora_patch.proof.testbed import mla
-from megatron_lora_patch.proof.testbed.layer_specs import hybrid_stack_spec, layer_spec
+from megatron_lora_patch.proof.testbed.layer_specs import (  # noqa: F401  (models.layer_spec stays valid)
+    gpt_block_spec,
+    hybrid_stack_spec,
+    layer_spec,
+)
 from megatron_lora_patch.proof.testbed.logical import (  # noqa: F401  (models.<name> stays valid for callers)
     DEFAULT_SEED,
     check_topology_fits,
@@ -45,6 +49,13 @@ class TinyGPTSpec:
     moe_router_topk: int = 2
     moe_token_dispatcher_type: str = "allgather"  # "allgather" | "alltoall"
     moe_ffn_hidden_size: Optional[int] = None  # defaults to ffn_hidden_size
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    first_dense_layers: int = 0
     #: A `HybridModel` (Megatron-Core 0.18+) of attention (`*`) and MLP (`-`) layers, one char per layer.
     hybrid_pattern: Optional[str] = None
     #: RMSNorm of each query and key head before RoPE (Qwen3's q_norm / k_norm); with MLA the latent norms.
@@ -92,6 +103,18 @@ class TinyGPTSpec:
         )  # MLA has no query groups: one key / value head per query head
         return cls(**{**options, **overrides})
 
+    @classmethod
+    def deepseek(cls, **overrides: Any) -> "TinyGPTSpec":
+        """MLA plus DeepSeek-V3's MoE: sigmoid scores with the aux-loss-free expert bias, group-limited top-k
+        (top-4 of 8 experts in 2 of 4 groups: topk / group_topk = 2, as in DeepSeek-V3), a routed scaling
+        factor, a shared expert and one leading dense layer."""
+        options: dict[str, Any] = dict(
+            num_experts=8, moe_router_topk=4, moe_ffn_hidden_size=32, moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True, moe_router_num_groups=4, moe_router_group_topk=2,
+            moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=64, first_dense_layers=1,
+        )
+        return cls.mla(**{**options, **overrides})
+
     def replace(self, **changes: Any) -> "TinyGPTSpec":
         return dataclasses.replace(self, **changes)
 
@@ -106,8 +129,12 @@ class TinyGPTSpec:
 
     @property
     def family(self) -> str:
-        """dense | moe | hybrid: the model kind reports and oracle settings name."""
-        return "hybrid" if self.hybrid_pattern else "moe" if self.is_moe else "mla" if mla.is_mla(self) else "dense"
+        """dense | moe | hybrid | mla | deepseek (MLA + MoE): the model kind reports and oracle settings name."""
+        if self.hybrid_pattern:
+            return "hybrid"
+        if self.is_moe:
+            return "deepseek" if mla.is_mla(self) else "moe"
+        return "mla" if mla.is_mla(self) else "dense"
 
     def layer_kinds(self) -> str:
         """One char per layer: '*' attention + MLP (GPT), else the hybrid pattern's '*' / '-'."""
@@ -143,8 +170,16 @@ def _parallel_sizes(topology: Any) -> dict:
 
 
 def _moe_options(spec: TinyGPTSpec) -> dict:
-    """The MoE fields of the config: SequentialMLP experts, no load-balancing loss."""
+    """The MoE fields of the config: SequentialMLP experts, no load-balancing loss; DeepSeek's routing (score
+    function, expert bias, group-limited top-k, scaling factor), shared experts and leading dense layers."""
     return dict(
+        moe_router_score_function=spec.moe_router_score_function,
+        moe_router_enable_expert_bias=spec.moe_router_enable_expert_bias,
+        moe_router_num_groups=spec.moe_router_num_groups,
+        moe_router_group_topk=spec.moe_router_group_topk,
+        moe_router_topk_scaling_factor=spec.moe_router_topk_scaling_factor,
+        moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+        moe_layer_freq=[0] * spec.first_dense_layers + [1] * (spec.num_layers - spec.first_dense_layers),
         num_moe_experts=spec.num_experts,
         moe_router_topk=spec.moe_router_topk,
         moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
@@ -253,7 +288,7 @@ def build_model(
         pattern = "|".join(spec.hybrid_pattern[i : i + per_stage] for i in range(0, spec.num_layers, per_stage))
         model = HybridModel(hybrid_stack_spec=hybrid_stack_spec(spec, topology), hybrid_layer_pattern=pattern, **common)
     else:
-        model = GPTModel(transformer_layer_spec=layer_spec(spec, topology), **common)
+        model = GPTModel(transformer_layer_spec=gpt_block_spec(spec, topology), **common)
     chunks = [model]
     shards.load_logical(chunks, state_dict if state_dict is not None else logical_state_dict(spec, seed))
     return chunks
