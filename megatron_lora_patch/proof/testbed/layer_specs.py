@@ -38,3 +38,20 @@ def hybrid_stack_spec(spec: Any, topology: Any = None):
     from megatron_lora_patch.proof.testbed.hybrid_stack import local_stack_spec
 
     return local_stack_spec(layer_spec(spec, topology), final_norm=False)
+
+
+def decoder_spec(spec: Any, config: Any, topology: Any = None):
+    """The GPT decoder's spec: `layer_spec` for every layer, or with `first_dense_layers` (DeepSeek's leading
+    dense layers, `moe_layer_freq`) a block of this pipeline stage's layers, dense ones first (even stages)."""
+    if not spec.first_dense_layers:
+        return layer_spec(spec, topology)
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, _get_block_submodules
+
+    moe = layer_spec(spec, topology)
+    dense = layer_spec(spec.replace(num_experts=None), topology)
+    layers = [dense] * spec.first_dense_layers + [moe] * (spec.num_layers - spec.first_dense_layers)
+    per_stage = spec.num_layers // parallel_state.get_pipeline_model_parallel_world_size()
+    start = parallel_state.get_pipeline_model_parallel_rank() * per_stage
+    norm = _get_block_submodules(config, moe).layer_norm  # the final norm Megatron gives a layer spec's block
+    return TransformerBlockSubmodules(layer_specs=layers[start : start + per_stage], layer_norm=norm)

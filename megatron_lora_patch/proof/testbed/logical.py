@@ -20,8 +20,10 @@ def _sharded_dimensions(spec: Any) -> dict[str, dict[str, int]]:
         "num_query_groups": spec.num_query_groups,
         "vocab_size": spec.vocab_size,
     }
-    if not spec.is_moe:  # every layer of the MoE model is an MoE layer: no dense MLP to split
+    if not spec.is_moe or spec.first_dense_layers:  # the MoE model's leading dense layers split theirs
         tensor["ffn_hidden_size"] = spec.ffn_hidden_size
+    if spec.is_moe and spec.moe_shared_expert_intermediate_size:  # shared experts: on the dense TP group
+        tensor["moe_shared_expert_intermediate_size"] = spec.moe_shared_expert_intermediate_size
     if mla.is_mla(spec):
         tensor.update(mla.tensor_sharded_dimensions(spec))
     return {"tp": tensor, "etp": {"moe_ffn_hidden_size": spec.expert_ffn_hidden_size} if spec.is_moe else {}}
@@ -74,13 +76,8 @@ def logical_shapes(spec: Any) -> dict[str, tuple[int, ...]]:
         if kind == "*":
             continue
         shapes[prefix + "pre_mlp_layernorm.weight"] = (hidden,)
-        if spec.is_moe:
-            ffn = spec.expert_ffn_hidden_size
-            shapes[prefix + "mlp.router.weight"] = (spec.num_experts, hidden)
-            for expert in range(spec.num_experts):
-                expert_prefix = f"{prefix}mlp.experts.local_experts.{expert}."
-                shapes[expert_prefix + "linear_fc1.weight"] = (2 * ffn, hidden)
-                shapes[expert_prefix + "linear_fc2.weight"] = (hidden, ffn)
+        if spec.is_moe and layer >= spec.first_dense_layers:
+            shapes.update(_moe_shapes(spec, prefix + "mlp."))
         else:
             shapes[prefix + "mlp.linear_fc1.weight"] = (2 * spec.ffn_hidden_size, hidden)
             shapes[prefix + "mlp.linear_fc2.weight"] = (hidden, spec.ffn_hidden_size)
@@ -88,6 +85,21 @@ def logical_shapes(spec: Any) -> dict[str, tuple[int, ...]]:
         shapes["decoder.final_layernorm.weight"] = (hidden,)
     if not spec.tie_embeddings:
         shapes["output_layer.weight"] = (spec.vocab_size, hidden)
+    return shapes
+
+
+def _moe_shapes(spec: Any, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of one MoE layer's router, routed experts and shared experts (`prefix` ends with `mlp.`)."""
+    hidden, ffn = spec.hidden_size, spec.expert_ffn_hidden_size
+    shapes = {prefix + "router.weight": (spec.num_experts, hidden)}
+    for expert in range(spec.num_experts):
+        expert_prefix = f"{prefix}experts.local_experts.{expert}."
+        shapes[expert_prefix + "linear_fc1.weight"] = (2 * ffn, hidden)
+        shapes[expert_prefix + "linear_fc2.weight"] = (hidden, ffn)
+    shared = spec.moe_shared_expert_intermediate_size
+    if shared:
+        shapes[prefix + "shared_experts.linear_fc1.weight"] = (2 * shared, hidden)
+        shapes[prefix + "shared_experts.linear_fc2.weight"] = (hidden, shared)
     return shapes
 
 

@@ -14,7 +14,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_lora_patch.proof.testbed import mla
-from megatron_lora_patch.proof.testbed.layer_specs import hybrid_stack_spec, layer_spec
+from megatron_lora_patch.proof.testbed.layer_specs import (
+    decoder_spec,
+    hybrid_stack_spec,
+    layer_spec,  # noqa: F401 (callers import it from here)
+)
 from megatron_lora_patch.proof.testbed.logical import (  # noqa: F401  (models.<name> stays valid for callers)
     DEFAULT_SEED,
     check_topology_fits,
@@ -45,6 +49,15 @@ class TinyGPTSpec:
     moe_router_topk: int = 2
     moe_token_dispatcher_type: str = "allgather"  # "allgather" | "alltoall"
     moe_ffn_hidden_size: Optional[int] = None  # defaults to ffn_hidden_size
+    #: DeepSeek-style routing (passed through to `TransformerConfig`): sigmoid scores, the aux-loss-free expert
+    #: bias, group-limited top-k, the routed scaling factor; shared experts; the leading dense layers.
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    first_dense_layers: int = 0  # -> moe_layer_freq: 0 for the first k layers, 1 after
     #: A `HybridModel` (Megatron-Core 0.18+) of attention (`*`) and MLP (`-`) layers, one char per layer.
     hybrid_pattern: Optional[str] = None
     #: RMSNorm of each query and key head before RoPE (Qwen3's q_norm / k_norm); with MLA the latent norms.
@@ -152,6 +165,13 @@ def _moe_options(spec: TinyGPTSpec) -> dict:
         moe_grouped_gemm=False,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
+        moe_router_score_function=spec.moe_router_score_function,
+        moe_router_enable_expert_bias=spec.moe_router_enable_expert_bias,
+        moe_router_num_groups=spec.moe_router_num_groups,
+        moe_router_group_topk=spec.moe_router_group_topk,
+        moe_router_topk_scaling_factor=spec.moe_router_topk_scaling_factor,
+        moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+        moe_layer_freq=[0] * spec.first_dense_layers + [1] * (spec.num_layers - spec.first_dense_layers),
     )
 
 
@@ -253,7 +273,7 @@ def build_model(
         pattern = "|".join(spec.hybrid_pattern[i : i + per_stage] for i in range(0, spec.num_layers, per_stage))
         model = HybridModel(hybrid_stack_spec=hybrid_stack_spec(spec, topology), hybrid_layer_pattern=pattern, **common)
     else:
-        model = GPTModel(transformer_layer_spec=layer_spec(spec, topology), **common)
+        model = GPTModel(transformer_layer_spec=decoder_spec(spec, config, topology), **common)
     chunks = [model]
     shards.load_logical(chunks, state_dict if state_dict is not None else logical_state_dict(spec, seed))
     return chunks
