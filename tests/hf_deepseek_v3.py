@@ -103,11 +103,12 @@ def deepseek_v3_for(spec: TinyGPTSpec, seed: int):
 
 @contextlib.contextmanager
 def without_peft_v4_renames():
-    """peft (0.21) on transformers 5 rewrites the config of a `deepseek_v3` (or `qwen2_moe`) adapter as if it were
-    written for transformers 4: every target module named `gate_proj` / `up_proj` / `down_proj` becomes the routed
-    experts' fused parameter at twice the rank (peft/utils/transformers_weight_conversion.py,
-    `_convert_peft_config_moe`), so the dense layers' and shared experts' adapters are dropped and the experts'
-    shapes refused. The export is in transformers 5's layout already: load it with that rewrite off."""
+    """peft (0.21) on transformers 5 rewrites the config of a `deepseek_v3` adapter as if it were written for
+    transformers 4 (its conversion pattern for `deepseek_v3` is `qwen2_moe`'s): every target module named
+    `gate_proj` / `up_proj` / `down_proj` becomes the routed experts' fused parameter at twice the rank
+    (peft/utils/transformers_weight_conversion.py, `_convert_peft_config_moe`), so the dense layers' and shared
+    experts' adapters are dropped and the experts' shapes refused. The export is in transformers 5's layout
+    already: load it with that rewrite off."""
     from peft.utils import transformers_weight_conversion as conversion
 
     original = conversion._convert_peft_config_moe

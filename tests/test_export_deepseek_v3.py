@@ -6,13 +6,15 @@ Trained-looking adapters on every default target (every MLA linear, the dense ML
 are exported from adapter-only checkpoints written at world size 1 and at TP2 + SP with the family inferred; `peft`
 on a `DeepseekV3ForCausalLM` with the same base weights gives Megatron's logits (fp32, 1e-5 of the largest logit).
 Negative control: the kv down projection's adapter moved after `kv_a_layernorm` (where the issue says other
-projects put it) moves the logits > 100x that. Import: the world-size-1 export read into a TP2 + SP model with other
-adapters gives the same adapter state again (which is the export, tensor for tensor), and its logits.
+projects put it) moves the logits > 100x that. Import: the world-size-1 export, without the file naming its
+family (as peft writes an adapter), read into a TP2 + SP model with other adapters gives the same adapter state
+again (which is the export, tensor for tensor), and its logits.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import handoff_worker
 import hf_deepseek_v3
@@ -21,6 +23,7 @@ import pytest
 import torch
 from error_metrics import max_abs_error_over_max
 
+from megatron_lora_patch.lora.exchange.names import METADATA_NAME
 from megatron_lora_patch.lora.exchange.transfer import export_peft
 from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.proof.testbed.models import DEFAULT_SEED
@@ -32,15 +35,17 @@ SEED = 41
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """World size 1: adapters of `SEED`, exported. TP2 + SP: other adapters, then that export imported; exported
-    again. Each run's adapter state, logits and export."""
+    """World size 1: adapters of `SEED`, exported. TP2 + SP: other adapters, then that export imported (without
+    `megatron_lora_patch.json`); exported again. Each run's adapter state, logits and export."""
     root = tmp_path_factory.mktemp("deepseek-v3")
     runs = {}
-    for topology, world, seed, peft_dir in (("tp1", 1, SEED, None), ("tp2-sp", 2, SEED + 1, root / "peft-tp1")):
+    for topology, world, seed, peft_dir in (("tp1", 1, SEED, None), ("tp2-sp", 2, SEED + 1, root / "as-peft")):
         checkpoint = str(root / f"checkpoint-{topology}")
         args = (topology, SPEC, seed, checkpoint, "deepseek_v3", {}, False, peft_dir and str(peft_dir))
         runs[topology] = run_world(handoff_worker.state_world, world, args=args, name=topology, timeout=300)[0]
         export_peft(checkpoint, str(root / f"peft-{topology}"))
+        if topology == "tp1":  # as peft writes it: no megatron_lora_patch.json naming the family
+            shutil.copytree(root / "peft-tp1", root / "as-peft", ignore=shutil.ignore_patterns(METADATA_NAME))
     return root, runs
 
 

@@ -200,6 +200,8 @@ def import_peft(chunks: Iterable[torch.nn.Module], peft_dir: str) -> None:
     description = inventory.describe(chunks)
     local = inventory.adapters_of(chunks)
     tensors, config, family = files.read(peft_dir)
+    if family == "llama" and description.get("multi_latent_attention"):
+        family = "deepseek_v3"  # an adapter peft wrote itself names no family; the one with MLA's names is this
     tensors, full = peft_modules.split(tensors, config, description, peft_dir, PeftFormatError)
     logical = peft.from_peft(tensors, config, description, _all_adapter_names(local), where=peft_dir, family=family)
     checks.check_shapes(
