@@ -17,6 +17,7 @@ import sys
 
 import families_worker as worker
 import pytest
+import torch
 from conftest import assert_one_line_error, clean_environ
 
 from megatron_lora_patch.lora.exchange import families
@@ -59,8 +60,8 @@ def test_megatron_defaults_are_refused_naming_every_mismatch(saved, family):
     assert_one_line_error(done, (
         "--family llama cannot represent the checkpoint's model: learned_absolute position embeddings (llama: rope), "
         "LayerNorm (llama: RMSNorm), a non-gated MLP (llama: gated, e.g. --swiglu); no family (llama, mistral, qwen2, "
-        "qwen3, qwen3_moe, mixtral, qwen2_moe) can hold it: export needs a Llama-style model (rope, RMSNorm, gated "
-        "MLP), or merge the adapter into the Megatron weights instead"), returncode=2)
+        "qwen3, qwen3_moe, mixtral, qwen2_moe, deepseek_v3) can hold it: export needs a Llama-style model (rope, "
+        "RMSNorm, gated MLP), or merge the adapter into the Megatron weights instead"), returncode=2)
     assert not (root / "peft").exists() and done.stdout == ""
 
 
@@ -95,6 +96,9 @@ def test_exported_files_follow_the_umask_like_save_pretrained(saved, umask):
     ({"add_bias_linear": True}, "qwen2", "all linear biases (qwen2: qkv)"),
     ({"activation": "fast_gelu"}, "llama", "activation fast_gelu (transformers: silu, gelu, quick_gelu"),
     ({"position_embedding_type": "mrope"}, "llama", "mrope position embeddings (llama: rope)"),
+    ({"multi_latent_attention": True}, "llama", "multi-latent attention (llama: q / k / v)"),
+    ({"qk_layernorm": True}, "deepseek_v3", "q / k / v (GQA) attention (deepseek_v3: multi-latent)"),
+    ({"multi_latent_attention": True}, "deepseek_v3", "no q / k layernorm (deepseek_v3: with)"),  # latent norms
 ])
 def test_each_mismatch_is_named_with_the_family_that_fits(change, family, phrase):
     with pytest.raises(PeftFormatError, match="cannot represent") as refused:
@@ -105,6 +109,9 @@ def test_each_mismatch_is_named_with_the_family_that_fits(change, family, phrase
 @pytest.mark.parametrize("change, inferred", [
     ({}, "llama"), ({"qk_layernorm": True}, "qwen3"), ({"num_experts": 4}, "mixtral"),
     ({"num_experts": 4, "qk_layernorm": True}, "qwen3_moe"), ({"add_qkv_bias": True}, "llama"),
+    ({"multi_latent_attention": True, "qk_layernorm": True}, "deepseek_v3"),  # all layers dense
+    ({"multi_latent_attention": True, "qk_layernorm": True, "num_experts": 4}, "deepseek_v3"),
+    ({"qk_layernorm": True, "targets": ["linear_kv_down_proj", "linear_proj"]}, "deepseek_v3"),  # older: no field
 ])
 def test_family_is_inferred_where_unambiguous(change, inferred):
     assert families.resolve({**LLAMA, **change}, None) == inferred
@@ -115,3 +122,22 @@ def test_an_older_moe_checkpoint_asks_for_the_family():
     with pytest.raises(PeftFormatError, match="pass --family qwen3_moe .with. or mixtral .without.$"):
         families.resolve({**older, "num_experts": 4}, None, "--family")
 
+
+
+def test_mla_adapters_convert_one_to_one_and_back_and_other_families_refuse_them():
+    from megatron_lora_patch.lora.exchange import peft as peft_format
+
+    description = {"rank": 2, "alpha": 4.0, "num_layers": 1, "gated_linear_unit": True, "num_experts": 0}
+    generator = torch.Generator().manual_seed(0)
+    logical = {f"decoder.layers.0.self_attention.{name}": (torch.randn(2, 8, generator=generator),
+                                                           torch.randn(6, 2, generator=generator))
+               for name in ("linear_q_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")}
+    tensors, config = peft_format.to_peft(logical, description, "deepseek_v3")
+    assert config["target_modules"] == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_proj"]
+    key = "base_model.model.model.layers.0.self_attn.kv_a_proj_with_mqa.lora_B.weight"
+    assert torch.equal(tensors[key], logical["decoder.layers.0.self_attention.linear_kv_down_proj"][1])
+    back = peft_format.from_peft(tensors, config, description, logical, family="deepseek_v3")
+    assert all(torch.equal(back[name][i], logical[name][i]) for name in logical for i in (0, 1))
+    with pytest.raises(PeftFormatError) as refused:
+        peft_format.to_peft(logical, description, "llama")
+    assert str(refused.value).endswith("this model family has no multi-latent attention; use --family deepseek_v3")

@@ -91,7 +91,7 @@ def test_base_model_checkpoint_has_no_adapters(saved, tmp_path):
 
 def test_unknown_family_lists_the_known_ones(saved, tmp_path):
     result = export(saved["adapters"], tmp_path / "out", "--family", "gpt2")
-    known = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe"
+    known = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, deepseek_v3"
     assert_one_line_error(result, f"unknown --family 'gpt2'; known: {known}", 2)
     assert os.listdir(tmp_path) == []
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import handoff_worker
 import pytest
+import torch
 
 from megatron_lora_patch import handoff
 from megatron_lora_patch.proof.testbed.launcher import run_world
@@ -78,3 +79,16 @@ def test_a_timeout_that_bounds_nothing_is_refused(timeout):
     with pytest.raises(UsageError) as refused:
         handoff.adapter_state([], timeout=timeout)
     assert str(refused.value) == f"handoff.adapter_state: timeout must be a positive number of seconds, got {timeout!r}"
+
+
+def test_vllm_refuses_an_adapter_on_mla_kv_b_proj_it_would_never_apply():
+    key = "base_model.model.model.layers.0.self_attn.kv_b_proj.lora_{}.weight"
+    tensors = {key.format("A"): torch.zeros(2, 8), key.format("B"): torch.zeros(6, 2)}
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4.0, "target_modules": ["kv_b_proj"]}
+    state = handoff.AdapterState(config, tensors, "deepseek_v3")
+    with pytest.raises(UsageError) as refused:
+        handoff.vllm_payload(state, "p", 1)
+    assert str(refused.value) == (
+        "vLLM loads but never applies LoRA on MLA's kv_b_proj (model.layers.0.self_attn.kv_b_proj: absorbed into "
+        "W_UK / W_UV, vLLM issue 48974); train with MEGATRON_LORA_EXCLUDE=linear_kv_up_proj, or roll out with SGLang")
+    assert handoff.sglang_payload(state, "p")["tensors"].keys() == tensors.keys()  # SGLang applies it (PR 25001)

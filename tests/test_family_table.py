@@ -44,10 +44,12 @@ def _export_help() -> str:
 
 def test_every_family_has_names_and_rules():
     assert list(families.FAMILIES) == list(family_table.FAMILIES)
-    assert all(not families.mismatches({**LLAMA, "qk_layernorm": f.qk_layernorm, "num_experts": 4 * f.moe}, name)
+    assert all(not families.mismatches({**LLAMA, "qk_layernorm": f.qk_layernorm, "num_experts": 4 * f.moe,
+                                        "multi_latent_attention": f.names.mla is not None}, name)
                for name, f in family_table.FAMILIES.items())
-    assert family_table.with_experts() == family_table.with_per_expert() == ["qwen3_moe", "mixtral", "qwen2_moe"]
-    assert family_table.with_shared_experts() == ["qwen2_moe"]
+    moe = ["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3"]
+    assert family_table.with_experts() == family_table.with_per_expert() == moe
+    assert family_table.with_shared_experts() == ["qwen2_moe", "deepseek_v3"] and family_table.with_mla() == moe[3:]
 
 
 def test_export_help_lists_the_table():
@@ -65,10 +67,10 @@ def test_a_new_record_is_read_by_the_family_check_and_the_names(toy):
     assert families.resolve({**LLAMA, "qk_layernorm": True, "num_experts": 4}, "toy_moe") == "toy_moe"
     assert family_record("toy_moe") is toy and names_for("toy_moe") is toy.names
     assert experts._expert_names("toy_moe") is toy.experts
-    assert "toy_moe" in _export_help() and "shared experts too: qwen2_moe, toy_moe" in _export_help()
-    with pytest.raises(PeftFormatError, match="--family qwen3_moe or mixtral or qwen2_moe or toy_moe$"):
+    assert "toy_moe" in _export_help() and "shared experts too: qwen2_moe, deepseek_v3, toy_moe" in _export_help()
+    with pytest.raises(PeftFormatError, match="--family qwen3_moe or mixtral or qwen2_moe or deepseek_v3 or toy_moe$"):
         experts._expert_names("llama")
-    with pytest.raises(PeftFormatError, match="--family qwen2_moe or toy_moe$"):
+    with pytest.raises(PeftFormatError, match="--family qwen2_moe or deepseek_v3 or toy_moe$"):
         mlp.projections("mlp.shared_experts.linear_fc2", names_for("llama"), gated=True)
     assert mlp.projections("mlp.shared_experts.linear_fc2", toy.names, gated=True) == ["mlp.common_expert.down_proj"]
 
@@ -95,5 +97,5 @@ def test_a_new_record_is_read_by_the_per_expert_layout(toy):
                                          for f in "AB"]
     assert converted.config["rank_pattern"] == {"w_down": 2}  # the packed parameter's pattern, re-keyed
     assert converted.config["target_modules"] == ["w_down", "w_gate", "w_up"]
-    with pytest.raises(PeftFormatError, match="is known for qwen3_moe, mixtral, qwen2_moe, toy_moe "):
+    with pytest.raises(PeftFormatError, match="is known for qwen3_moe, mixtral, qwen2_moe, deepseek_v3, toy_moe "):
         convert(AdapterState(config, state.tensors, "llama"), "per_expert")

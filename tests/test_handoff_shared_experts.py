@@ -91,4 +91,4 @@ def test_a_family_without_shared_experts_is_refused_in_one_line():
     with pytest.raises(peft_names.PeftFormatError) as error:
         peft_format.to_peft(logical, description, "mixtral")
     assert str(error.value) == ("mlp.shared_experts.linear_fc2: this model family has no shared experts; "
-                                "use --family qwen2_moe")
+                                "use --family qwen2_moe or deepseek_v3")

@@ -30,9 +30,10 @@ def add_parser(commands) -> None:
         default=None,
         help=f"HF model family: {', '.join(family_table.FAMILIES)} (MoE experts: "
         f"{', '.join(family_table.with_experts())}; shared experts too: "
-        f"{', '.join(family_table.with_shared_experts())}); default: inferred from the "
-        "checkpoint (qwen3 / qwen3_moe with q / k layernorm, else llama / mixtral); refused, naming the mismatch, "
-        "when the family cannot represent the model",
+        f"{', '.join(family_table.with_shared_experts())}; multi-latent attention: "
+        f"{', '.join(family_table.with_mla())}); default: inferred from the checkpoint (multi-latent attention: "
+        "deepseek_v3; else qwen3 / qwen3_moe with q / k layernorm, else llama / mixtral); refused, naming the "
+        "mismatch, when the family cannot represent the model",
     )
     export.add_argument("--force", action="store_true", help="replace a non-empty --out")
     quiet.add_verbose(export)

@@ -16,6 +16,18 @@
   Refused in one line, as vLLM refuses them: `modules_to_save` (`PEFTHelper._validate_features`) and a
   3D-MoE layer with only one of gate_up / down adapted (`_stack_moe_lora_weights` asserts both).
 
+DeepSeek-V3 (`deepseek_v3`, multi-latent attention), what each engine applies LoRA to, from its source:
+- SGLang: every MLA projection. `q_a_proj` and `kv_a_proj_with_mqa` through its fused
+  `fused_qkv_a_proj_with_mqa` (sgl-project/sglang PR 22323), `q_b_proj` and `kv_b_proj` since PR 25001
+  (python/sglang/srt/models/deepseek_v2.py, python/sglang/srt/lora/: the `kv_b_proj` delta is added to both
+  absorbed-MLA matmuls by hand, since the absorbed path never calls `kv_b_proj.forward`); passed.
+- vLLM: `DeepseekV2ForCausalLM` is `SupportsLoRA` (vllm/model_executor/models/deepseek_v2.py; `q_a_proj` and
+  `kv_a_proj_with_mqa` packed as `fused_qkv_a_proj`), but an adapter on `kv_b_proj` loads and is applied nowhere:
+  decode multiplies by `W_UK` / `W_UV` split from the base weight at load time, prefill calls a `kv_b_proj`
+  reference the attention implementation took before LoRA wrapped the layer
+  (vllm/model_executor/layers/attention/mla_attention.py, vllm/lora/model_manager.py; vllm-project/vllm
+  issue 48974). Refused in one line (silently dropping a trained delta would roll out another policy).
+
 Per-module ranks and alphas (`rank_pattern` / `alpha_pattern`: SGLang and vLLM 0214369's PEFTHelper read one
 r and alpha per adapter; a later PEFTHelper's `get_rank_and_scaling` reads the patterns) reach them through
 `one_rank`: every module padded with zeros to the largest rank and its own scaling folded into its lora_B,
@@ -38,6 +50,7 @@ from megatron_lora_patch.lora.exchange.checks import peft_pattern_value
 from megatron_lora_patch.lora.exchange.names import PEFT_PREFIX, PeftFormatError
 
 _EXPERTS = re.compile(r"^(.+\.mlp\.experts)(\.base_layer)?\.lora_A\.weight$")
+_VLLM_UNAPPLIED = re.compile(r"^.+\.self_attn\.kv_b_proj\.lora_A\.weight$")  # MLA's absorbed up projection
 
 
 class EngineError(PeftFormatError):
@@ -96,6 +109,12 @@ def _check_vllm(state: AdapterState) -> None:
     if config.get("modules_to_save"):
         raise EngineError(f"vLLM loads no modules_to_save ({config['modules_to_save']}); train without "
                           "MEGATRON_LORA_MODULES_TO_SAVE or roll out with SGLang / merged weights")
+    unapplied = sorted(key[len(PEFT_PREFIX) : -len(".lora_A.weight")] for key in state.tensors
+                       if _VLLM_UNAPPLIED.match(key))
+    if unapplied:
+        raise EngineError(f"vLLM loads but never applies LoRA on MLA's kv_b_proj ({unapplied[0]}: absorbed into "
+                          "W_UK / W_UV, vLLM issue 48974); train with MEGATRON_LORA_EXCLUDE=linear_kv_up_proj, or "
+                          "roll out with SGLang")
     wrappers: Dict[str, set] = {}
     for key in state.tensors:
         match = _EXPERTS.match(key)

@@ -25,7 +25,8 @@ DESCRIPTION_FORMAT = 1
 #: SwiGLU fc1 B rows `[gate; up]`, stacked over layers (axis 0) and experts (axis 1).
 LAYOUT = "megatron"
 #: Architecture fields of the description (each may be missing from older checkpoints).
-FIELDS = ("position_embedding_type", "normalization", "activation", "qk_layernorm", "add_bias_linear", "add_qkv_bias")
+FIELDS = ("position_embedding_type", "normalization", "activation", "qk_layernorm", "add_bias_linear", "add_qkv_bias",
+          "multi_latent_attention")
 
 
 class AdapterCheckpointError(UsageError, ValueError):
@@ -71,6 +72,7 @@ def architecture(model: torch.nn.Module) -> Dict[str, Any]:
         "qk_layernorm": bool(getattr(config, "qk_layernorm", False)),
         "add_bias_linear": bool(config.add_bias_linear),
         "add_qkv_bias": bool(getattr(config, "add_qkv_bias", False)),
+        "multi_latent_attention": bool(getattr(config, "multi_latent_attention", False)),
     }
 
 

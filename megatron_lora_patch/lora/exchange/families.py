@@ -10,10 +10,11 @@ docstring tabulates them), and refuses with one line naming the mismatch.
 Every family has `tie_word_embeddings` and `num_key_value_heads` (GQA), so tied embeddings and
 query groups never rule one out; a family with biases holds a model without them as zeros. The
 activation must be one `transformers` names in `hidden_act` (Megatron's `squared_relu` is `relu2`).
-With no family given, MoE checkpoints get `qwen3_moe` (q / k norms) or `mixtral` (none), dense ones
-`qwen3` or `llama` (the names llama, mistral and qwen2 share); `qwen2_moe`, the family with shared experts
-(docs/handoff.md), is never inferred: adapters on shared experts under another family are refused by
-their names (lora/exchange/mlp.py), naming it. Fields an older description lacks
+With no family given, multi-latent attention (MLA) gets `deepseek_v3` (the one family with it; MoE or all
+dense, since its model holds dense layers too), other MoE checkpoints `qwen3_moe` (q / k norms) or `mixtral`
+(none), dense ones `qwen3` or `llama` (the names llama, mistral and qwen2 share); `qwen2_moe`, the other family
+with shared experts (docs/handoff.md), is never inferred: adapters on shared experts under a family without
+them are refused by their names (lora/exchange/mlp.py), naming those with them. Fields an older description lacks
 are assumed to be what the family needs, and one warning says so.
 """
 
@@ -23,6 +24,7 @@ import logging
 from typing import Dict, List, Optional
 
 from megatron_lora_patch.lora.exchange.family_table import FAMILIES, Family
+from megatron_lora_patch.lora.exchange.mla import LINEARS as MLA_LINEARS
 from megatron_lora_patch.lora.exchange.names import PeftFormatError, names_for
 
 logger = logging.getLogger("megatron_lora_patch")
@@ -59,7 +61,12 @@ def mismatches(description: dict, name: str) -> List[str]:
     if description.get("qk_layernorm", family.qk_layernorm) != family.qk_layernorm:
         found.append(f"{'' if description['qk_layernorm'] else 'no '}q / k layernorm "
                      f"({name}: {'with' if family.qk_layernorm else 'without'})")
-    if bool(description.get("num_experts")) != family.moe:
+    mla = _has_mla(description)
+    if mla != (family.names.mla is not None):
+        found.append(f"{'multi-latent' if mla else 'q / k / v (GQA)'} attention "
+                     f"({name}: {'multi-latent' if family.names.mla else 'q / k / v'})")
+    moe = bool(description.get("num_experts"))
+    if moe != family.moe and not (family.dense_layers and not moe):
         found.append(f"{'MoE' if description.get('num_experts') else 'dense'} layers "
                      f"({name}: {'MoE' if family.moe else 'dense'})")
     bias = _bias_level(description)
@@ -68,7 +75,17 @@ def mismatches(description: dict, name: str) -> List[str]:
     return found
 
 
+def _has_mla(description: dict) -> bool:
+    """Whether the model has multi-latent attention; a description without the field (an older
+    megatron-lora-patch) tells it by its adapted linears."""
+    if "multi_latent_attention" in description:
+        return bool(description["multi_latent_attention"])
+    return bool(set(description.get("targets") or ()) & set(MLA_LINEARS))
+
+
 def _inferred(description: dict, label: str) -> str:
+    if _has_mla(description):
+        return "deepseek_v3"
     qk_layernorm = description.get("qk_layernorm")
     if not description.get("num_experts"):
         return "qwen3" if qk_layernorm else "llama"

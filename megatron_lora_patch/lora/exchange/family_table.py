@@ -17,14 +17,30 @@ What each family's `transformers` model can represent (`families.mismatches` che
 | qwen3_moe | rope, yarn | RMSNorm | gated experts   | yes        | yes     | q / k / v / o only    |
 | mixtral   | rope, yarn | RMSNorm | gated experts   | no         | yes     | none                  |
 | qwen2_moe | rope, yarn | RMSNorm | gated experts   | no         | yes     | q / k / v only        |
+| deepseek_v3 | rope, yarn | RMSNorm | gated (dense, experts) | latent norms | optional | none          |
 
-`qwen2_moe` also has shared experts (docs/handoff.md section 2). Layouts: docs/architecture.md section 4.
+`qwen2_moe` and `deepseek_v3` also have shared experts (docs/handoff.md section 2). `deepseek_v3` is the one
+family with multi-latent attention (MLA, `HfNames.mla`) and the one whose model holds dense layers beside
+(or instead of) MoE ones (`first_k_dense_replace`). Layouts: docs/architecture.md section 4.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Dict, List, NamedTuple, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaNames:
+    """Where a family keeps Megatron's multi-latent attention linears, inside `HfNames.attention`
+    (transformers' DeepseekV3Attention; `linear_proj` is `HfNames.o`). Each is one linear on both sides, the
+    same rows in the same order (lora/exchange/mla.py)."""
+
+    linear_q_proj: str = "q_proj"  # q_lora_rank unset
+    linear_q_down_proj: str = "q_a_proj"
+    linear_q_up_proj: str = "q_b_proj"
+    linear_kv_down_proj: str = "kv_a_proj_with_mqa"
+    linear_kv_up_proj: str = "kv_b_proj"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +58,7 @@ class HfNames:
     up: str = "up_proj"
     down: str = "down_proj"
     shared_experts: str = ""  # the shared experts' MLP (lora/exchange/mlp.py); "" where the family has none
+    mla: Optional[MlaNames] = None  # multi-latent attention's linears; None: q / k / v (GQA) attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +90,7 @@ class Family:
     names: HfNames = HfNames()
     experts: Optional[ExpertNames] = None  # None: a dense family (no MoE layers)
     per_expert: Optional[PerExpertNames] = None  # None: no engine loads per-expert modules for it
+    dense_layers: bool = False  # an MoE family whose model may also hold dense MLP layers (or only those)
 
     @property
     def moe(self) -> bool:
@@ -89,6 +107,9 @@ FAMILIES: Dict[str, Family] = {
                       per_expert=PerExpertNames("block_sparse_moe.experts", "w1", "w3", "w2")),
     "qwen2_moe": Family(qk_layernorm=False, biases="qkv", names=HfNames(shared_experts="mlp.shared_expert"),
                         experts=ExpertNames(), per_expert=PerExpertNames()),
+    "deepseek_v3": Family(qk_layernorm=True, biases="none",
+                          names=HfNames(shared_experts="mlp.shared_experts", mla=MlaNames()),
+                          experts=ExpertNames(), per_expert=PerExpertNames(), dense_layers=True),
 }
 
 
@@ -100,6 +121,11 @@ def with_experts() -> List[str]:
 def with_shared_experts() -> List[str]:
     """The families with shared experts beside the routed ones, in table order."""
     return [name for name, family in FAMILIES.items() if family.names.shared_experts]
+
+
+def with_mla() -> List[str]:
+    """The families with multi-latent attention, in table order."""
+    return [name for name, family in FAMILIES.items() if family.names.mla is not None]
 
 
 def with_per_expert() -> List[str]:

@@ -11,6 +11,8 @@ onto this rank's adapters (any topology). Conversion, per transformer layer i
 - self_attention.linear_proj -> self_attn.o_proj: as is
 - mlp.linear_fc1 (SwiGLU) -> mlp.gate_proj, up_proj: B rows [gate; up] split; A copied
 - mlp.linear_fc2 -> mlp.down_proj: as is
+- multi-latent attention's linears (family deepseek_v3) -> self_attn.q_a_proj, q_b_proj (or q_proj),
+  kv_a_proj_with_mqa, kv_b_proj: as is (lora/exchange/mla.py)
 
 With `separate_projections` each projection gets its own A rows and B block (lora/adapters/projections.py).
 PEFT's scaling `lora_alpha / r` (`lora_alpha / sqrt(r)` with `use_rslora`) is the adapter's
@@ -38,6 +40,7 @@ from megatron_lora_patch.lora.adapters import layouts, projections
 from megatron_lora_patch.lora.config import LoraConfig
 from megatron_lora_patch.lora.exchange import checks
 from megatron_lora_patch.lora.exchange import experts as peft_experts
+from megatron_lora_patch.lora.exchange import mla as peft_mla
 from megatron_lora_patch.lora.exchange import mlp as peft_mlp
 from megatron_lora_patch.lora.exchange import modules as peft_modules
 from megatron_lora_patch.lora.exchange.family_table import HfNames
@@ -51,6 +54,7 @@ from megatron_lora_patch.lora.exchange.names import (
 
 _LAYER_MODULE = re.compile(
     r"^decoder\.layers\.(\d+)\.(self_attention\.linear_qkv|self_attention\.linear_proj|"
+    r"self_attention\.linear_(?:q_proj|q_down_proj|q_up_proj|kv_down_proj|kv_up_proj)|"
     r"mlp\.(?:shared_experts\.)?linear_fc1|mlp\.(?:shared_experts\.)?linear_fc2)$"
 )
 
@@ -61,6 +65,8 @@ def _projections(module: str, names: HfNames, gated: bool) -> List[str]:
         return [f"{names.attention}.{p}" for p in (names.q, names.k, names.v)]
     if module == "self_attention.linear_proj":
         return [f"{names.attention}.{names.o}"]
+    if peft_mla.is_mla(module):
+        return peft_mla.projections(module, names)
     return peft_mlp.projections(module, names, gated)
 
 
@@ -87,7 +93,9 @@ def _join_b(module: str, parts: List[torch.Tensor], description: dict) -> torch.
 def _parse(name: str) -> Tuple[int, str]:
     match = _LAYER_MODULE.match(name)
     if match is None:
-        raise PeftFormatError(f"{name}: no PEFT name for this Megatron module (supported: qkv, proj, fc1, fc2)")
+        raise PeftFormatError(
+            f"{name}: no PEFT name for this Megatron module (supported: qkv, proj, the MLA linears, fc1, fc2)"
+        )
     return int(match.group(1)), match.group(2)
 
 

@@ -2,7 +2,7 @@
 
 `export_peft(checkpoint_dir, out_dir)` needs no model and no world: it reads the adapter
 tensors of a checkpoint the plugin wrote (adapter-only or Megatron-LM's, any topology;
-Megatron's loader returns the full logical tensors, stacked over layers and experts) and
+Megatron's loader returns the full logical tensors, stacked over layers (unless the layers differ) and experts) and
 the fully trained weights (`modules_to_save`), and writes the PEFT files.
 `import_peft(chunks, peft_dir)` runs on every rank of any topology and copies each
 rank's slice of the logical adapters and fully trained weights into its parameters.
@@ -29,6 +29,7 @@ from megatron_lora_patch.lora.layers import trained_fully
 
 _STACKED_KEY = re.compile(r"^decoder\.layers\.(?P<module>.+?)\.lora\.(?P<factor>[AB])$")
 _EXPERTS_KEY = "mlp.experts.experts."
+_LAYER_INDEX = re.compile(r"^(\d+)\.(.+)$")
 
 
 def logical_from_checkpoint(directory: str) -> Tuple[dict, Logical, Dict[str, torch.Tensor]]:
@@ -44,7 +45,7 @@ def logical_from_checkpoint(directory: str) -> Tuple[dict, Logical, Dict[str, to
         if match is None:
             raise inventory.AdapterCheckpointError(f"{directory}: unexpected tensor {key!r} in an adapter checkpoint")
         module, factor = match.group("module"), match.group("factor")
-        for layer, per_layer in enumerate(tensor.unbind(0)):  # axis 0: global layer index
+        for layer, module, per_layer in _per_layer(module, tensor):
             if module.startswith(_EXPERTS_KEY):  # SequentialMLP / TEGroupedMLP: `local_experts.<i>.` -> `experts.`
                 linear = module[len(_EXPERTS_KEY) :]
                 for expert, value in enumerate(per_layer.unbind(0)):  # axis 1: global expert index
@@ -53,6 +54,16 @@ def logical_from_checkpoint(directory: str) -> Tuple[dict, Logical, Dict[str, to
             else:
                 factors.setdefault(f"decoder.layers.{layer}.{module}", {})[factor] = per_layer.clone()
     return description, {name: (pair["A"], pair["B"]) for name, pair in sorted(factors.items())}, full
+
+
+def _per_layer(module: str, tensor: torch.Tensor) -> Iterable[Tuple[int, str, torch.Tensor]]:
+    """(global layer index, module inside the layer, that layer's tensor) of one checkpoint tensor: stacked over
+    the layers (axis 0), or one layer's where the layers differ (Megatron keys non-homogeneous layers, e.g.
+    dense and MoE ones by `moe_layer_freq`, `decoder.layers.<i>.<module>`)."""
+    index = _LAYER_INDEX.match(module)
+    if index is not None:
+        return [(int(index.group(1)), index.group(2), tensor)]
+    return [(layer, module, per_layer) for layer, per_layer in enumerate(tensor.unbind(0))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +200,8 @@ def import_peft(chunks: Iterable[torch.nn.Module], peft_dir: str) -> None:
     description = inventory.describe(chunks)
     local = inventory.adapters_of(chunks)
     tensors, config, family = files.read(peft_dir)
+    if family == "llama" and description.get("multi_latent_attention"):
+        family = "deepseek_v3"  # an adapter peft wrote itself names no family; the one with MLA's names is this
     tensors, full = peft_modules.split(tensors, config, description, peft_dir, PeftFormatError)
     logical = peft.from_peft(tensors, config, description, _all_adapter_names(local), where=peft_dir, family=family)
     checks.check_shapes(
