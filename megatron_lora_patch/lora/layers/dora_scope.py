@@ -19,7 +19,7 @@ import torch
 
 from megatron_lora_patch.lora.config import LoraConfig, LoraConfigError
 
-DORA_FIX = "set MEGATRON_LORA_DORA=0 (LoraConfig.dora=False)"
+DORA_FIX = "turn DoRA off (MEGATRON_LORA_DORA=0, LoraConfig.dora=False)"
 
 
 def refuse_unproven_dora(config: LoraConfig, labels: dict,
@@ -34,7 +34,7 @@ def refuse_unproven_dora(config: LoraConfig, labels: dict,
             f"dropped-out base term, unproven here); set {labels['dropout']}=0 or {DORA_FIX}"
         )
     if config.expert_shared_outer:
-        raise LoraConfigError(f"DoRA with {labels['expert_shared_outer']} is not supported; leave it off or {DORA_FIX}")
+        raise LoraConfigError(f"DoRA with {labels['expert_shared_outer']} is not supported; turn it off or {DORA_FIX}")
     for name, expert_index, module, is_te in selected:
         if expert_index is not None or getattr(module, "is_expert", False):
             raise LoraConfigError(
