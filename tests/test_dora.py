@@ -38,3 +38,16 @@ def test_dora_mutations_are_caught(mutation, broken):
     errors = _run("tp2", mutation)[0]
     for key in broken:
         assert errors[key] > 100 * TOLERANCE, (mutation, key, errors[key])
+
+
+def test_m_follows_the_base_load_and_the_adapter_checkpoint(tmp_path):
+    """m from a base checkpoint's weights (not the model's init), then the saved m from adapters (tp2)."""
+    import dora_checkpoint_worker
+
+    from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
+
+    errors = run_world(dora_checkpoint_worker.base_then_adapters_world, 2, args=("tp2", TinyGPTSpec(), str(tmp_path)),
+                       name="tp2", timeout=300)[0]
+    assert errors["m_before_load_vs_base_norm"] > 100 * TOLERANCE, errors  # other base weights: another m
+    for key in ("m_after_base_load", "m_after_adapter_load", "logits"):
+        assert errors[key] < TOLERANCE, errors
