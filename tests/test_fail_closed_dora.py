@@ -54,11 +54,20 @@ def test_unproven_scope_is_refused(case):
                          selected)  # plain LoRA passes the same selection
 
 
-def test_peft_export_refuses_dora():
-    from megatron_lora_patch.lora.exchange import peft
+DORA_EXCHANGE = ("the adapters use DoRA (MEGATRON_LORA_DORA=1), whose exchange with PEFT (use_dora, "
+                 "lora_magnitude_vector) is not supported yet; train with MEGATRON_LORA_DORA=0")
 
-    with pytest.raises(PeftFormatError, match="^DoRA adapters cannot be exported to PEFT yet"):
-        peft.to_peft({}, {"rank": 4, "alpha": 8.0, "dora": True})
+
+def test_peft_export_and_import_refuse_dora():
+    """The live-model conversion and an import into DoRA adapters (the export of a DoRA checkpoint:
+    tests/test_dora.py)."""
+    from megatron_lora_patch.lora.exchange import checks, peft
+
+    description = {"rank": 4, "alpha": 8.0, "dora": True}
+    with pytest.raises(PeftFormatError, match="^to_peft: " + DORA_EXCHANGE.replace("(", r"\(").replace(")", r"\)")):
+        peft.to_peft({}, description)
+    with pytest.raises(PeftFormatError, match="^adapter_dir: the adapters use DoRA"):
+        checks.check_config({"peft_type": "LORA", "r": 4, "lora_alpha": 8.0}, description, "adapter_dir")
 
 
 def test_handoff_refuses_dora(monkeypatch):
