@@ -16,9 +16,6 @@ import torch
 from error_metrics import max_abs_error_over_max
 from lora_layer_worker import BATCH, FFN, HIDDEN, RANK, SEQ, _build, _logical, _Shards, apply_lora_linear
 
-#: Mutations the tests install to prove they can fail (tests/test_dora.py).
-MUTATIONS = ("none", "local_row_norm", "norm_with_grad")
-
 
 def _dense_reference(x, weight, bias, lora_a, lora_b, magnitude, scale, upstream):
     leaves = [t.clone().requires_grad_(True) for t in (x, lora_a, lora_b, magnitude)]
@@ -27,21 +24,6 @@ def _dense_reference(x, weight, bias, lora_a, lora_b, magnitude, scale, upstream
     y = (m_ / norm) * (x_ @ weight.t() + scale * (x_ @ a_.t()) @ b_.t()) + bias
     (y * upstream).sum().backward()
     return (y.detach(), *(leaf.grad for leaf in leaves))
-
-
-def _mutate(mutation: str) -> None:
-    """Break DoRA on purpose: the row-parallel norm left local, or the norm not detached."""
-    from megatron_lora_patch.lora.adapters import dora
-
-    if mutation == "local_row_norm":
-        dora.reduce_row_squares = lambda squares, group: None
-    elif mutation == "norm_with_grad":
-        def norm(self, weight, lora_a, lora_b, scale):
-            squares = dora.row_partial_sums(weight, lora_a, lora_b, scale, dora.base_row_squares(weight))
-            if self.parallel_mode == "row":
-                squares = torch.distributed.nn.all_reduce(squares, group=self.group)
-            return squares.sqrt()
-        dora.Magnitude.norm = norm
 
 
 def _layer_errors(shards: _Shards, lora, name: str, layers, in_f: int, out_f: int) -> Dict[str, float]:
@@ -96,7 +78,7 @@ def _layer_errors(shards: _Shards, lora, name: str, layers, in_f: int, out_f: in
     return errors
 
 
-def check_dora_layers(rank: int, world: int, topology_spec: str, mutation: str) -> Dict[str, float]:
+def check_dora_layers(rank: int, world: int, topology_spec: str) -> Dict[str, float]:
     """Max-abs errors (over max) of DoRA column and row layers vs the dense reference."""
     from megatron.core import parallel_state
     from megatron.core.model_parallel_config import ModelParallelConfig
@@ -106,7 +88,6 @@ def check_dora_layers(rank: int, world: int, topology_spec: str, mutation: str) 
     from megatron_lora_patch.proof.testbed.topology import Topology
 
     apply_lora_linear()
-    _mutate(mutation)
     topology = Topology.parse(topology_spec)
     errors: Dict[str, float] = {}
     with topology.world():

@@ -2,8 +2,9 @@
 
 tests/dora_worker.py compares outputs, input grads and the A, B, m grads of every rank with
 `m / ||W + s B A||.detach() * (x W^T + s x A^T B^T) + b` on the logical tensors (fp32, max-abs error over
-max below 1e-5), and `m` as set from the loaded weights with the logical norm. Two mutations must fail:
-the row-parallel norm left local (not summed over TP) and the norm not detached.
+max below 1e-5; measured <= 2e-7), and `m` as set from the loaded weights with the logical norm. That the
+row-parallel norm left local, `m` out of the grad sync or the norm not detached are caught is the oracle's
+(mutations `dora_*`, tests/test_oracle_mutations.py).
 """
 
 from __future__ import annotations
@@ -15,31 +16,16 @@ from error_metrics import assert_errors_within
 from megatron_lora_patch.lora.exchange.names import PeftFormatError
 from megatron_lora_patch.lora.exchange.transfer import export_peft
 from megatron_lora_patch.proof.testbed.launcher import run_world
-from megatron_lora_patch.proof.testbed.topology import Topology
 
 TOLERANCE = 1e-5
 EXPECTED = [f"{layer}.{what}" for layer in ("fc1", "fc2") for what in ("m_init", "y", "dx", "dA", "dB", "dm")]
 
 
-def _run(topology: str, mutation: str = "none"):
-    world = Topology.parse(topology).world_size
-    return run_world(dora_worker.check_dora_layers, world, args=(topology, mutation), name=topology, timeout=240)
-
-
-@pytest.mark.parametrize("topology", ["tp1", "tp2-sp"])
-def test_dora_layers_match_peft_math(topology):
-    for rank, errors in enumerate(_run(topology)):
-        assert_errors_within(errors, EXPECTED, TOLERANCE, f"{topology} rank {rank}")
-
-
-@pytest.mark.parametrize("mutation, broken", [
-    ("local_row_norm", ("fc2.m_init", "fc2.y")),  # each rank's norm over its own input slice only
-    ("norm_with_grad", ("fc1.dA", "fc1.dB", "fc2.dA", "fc2.dB")),  # grads flow through the norm
-])
-def test_dora_mutations_are_caught(mutation, broken):
-    errors = _run("tp2", mutation)[0]
-    for key in broken:
-        assert errors[key] > 100 * TOLERANCE, (mutation, key, errors[key])
+def test_dora_layers_match_peft_math():
+    """tp2-sp: column rows local, row sums over TP, the sequence gathered and scattered (SP): every rule at once."""
+    results = run_world(dora_worker.check_dora_layers, 2, args=("tp2-sp",), name="tp2-sp", timeout=240)
+    for rank, errors in enumerate(results):
+        assert_errors_within(errors, EXPECTED, TOLERANCE, f"tp2-sp rank {rank}")
 
 
 def test_m_follows_the_base_load_and_the_adapter_checkpoint(tmp_path):
