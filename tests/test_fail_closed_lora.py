@@ -73,7 +73,7 @@ def test_bad_value_stops_activation(variable, value, message):
 
 ACCEPTED_KEYS = (
     "rank, alpha, dropout, targets, exclude, init, b_init, seed, sp_input, rslora, rank_pattern, alpha_pattern, "
-    "separate_projections, expert_shared_outer, modules_to_save, plus_ratio"
+    "separate_projections, expert_shared_outer, modules_to_save, plus_ratio, dora"
 )
 
 # name -> (file name, content or None for no file, the message with {path} for the file's path)

@@ -34,6 +34,7 @@ def test_environment_values_are_parsed():
             "MEGATRON_LORA_SEED": "7",
             "MEGATRON_LORA_SP_INPUT": "regather",
             "MEGATRON_LORA_PLUS_RATIO": "16",
+            "MEGATRON_LORA_DORA": "1",
         }
     )
     assert config == LoraConfig(
@@ -47,6 +48,7 @@ def test_environment_values_are_parsed():
         seed=7,
         sp_input="regather",
         plus_ratio=16.0,
+        dora=True,
     )
 
 
@@ -122,7 +124,7 @@ def test_bad_config_files(tmp_path):
     assert str(raised.value) == (
         f"MEGATRON_LORA_CONFIG ({unknown}): unknown key 'rnak' (did you mean 'rank'?); accepted keys: "
         "rank, alpha, dropout, targets, exclude, init, b_init, seed, sp_input, rslora, rank_pattern, alpha_pattern, "
-        "separate_projections, expert_shared_outer, modules_to_save, plus_ratio"
+        "separate_projections, expert_shared_outer, modules_to_save, plus_ratio, dora"
     )
 
     typed = tmp_path / "typed.toml"

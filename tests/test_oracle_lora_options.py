@@ -1,7 +1,8 @@
-"""The oracle with rsLoRA and per-module ranks / alphas (issue 19) and LoRA+ (issue 37, B at 4x A's learning
-rate): every default topology still equals world-1 when adapters differ in rank and scale per module, MoE
-experts included (experts at a lower rank than attention), and B factors step at their own rate (that the
-ratio acts is tests/test_lora_plus.py's; the ratio on A instead is the mutation `lora_plus_ratio_on_a`).
+"""The oracle with rsLoRA and per-module ranks / alphas (issue 19), LoRA+ (issue 37, B at 4x A's learning
+rate) and DoRA on the dense model (issue 37; its mutations are tests/test_oracle_mutations.py's): every
+default topology still equals world-1 when adapters differ in rank and scale per module, MoE experts
+included (experts at a lower rank than attention), and B factors step at their own rate (that the ratio
+acts is tests/test_lora_plus.py's; the ratio on A instead is the mutation `lora_plus_ratio_on_a`).
 The patterns really shape the adapters: read off the world-1 run.
 
 alpha 4 (not the oracle's 8) keeps rsLoRA's scale at the one the thresholds were measured at
@@ -23,6 +24,7 @@ DENSE_OPTIONS = (
     ("rank_pattern", (("linear_fc1", 2), ("linear_fc2", 2))),
     ("alpha_pattern", (("linear_proj", 2.0),)),
     ("plus_ratio", 4.0),
+    ("dora", True),
 )
 MOE_OPTIONS = (
     ("rslora", True),
@@ -55,7 +57,7 @@ def _check(report, topologies) -> None:
     assert mutation.caught and mutation.worst_ratio >= 100, report.table()
 
 
-def test_dense_topologies_match_world1_with_rslora_patterns_and_lora_plus():
+def test_dense_topologies_match_world1_with_rslora_patterns_lora_plus_and_dora():
     settings = harness.OracleSettings(model="dense", lora_alpha=ALPHA, lora_options=DENSE_OPTIONS)
     assert _reference_ranks(settings) == {"linear_qkv": {4}, "linear_proj": {4}, "linear_fc1": {2}, "linear_fc2": {2}}
     report = harness.run_oracle(DENSE_TOPOLOGIES, [MUTATIONS["skip_tp_sum_row_b"]], settings=settings)

@@ -120,8 +120,10 @@ def _check_shared_outer() -> None:
 
 
 def check_training(config: Any, module: Any) -> None:
-    """Loss normalization, dropout and trainable tied embeddings under pipeline parallelism."""
+    """Loss normalization, dropout, DoRA and trainable tied embeddings under pipeline parallelism."""
     from megatron.core import parallel_state
+
+    from megatron_lora_patch.lora.adapters.metadata import adapter_info
 
     if not config.calculate_per_token_loss:
         _refuse("without calculate_per_token_loss each microbatch loss is divided by the per-rank microbatch "
@@ -129,6 +131,9 @@ def check_training(config: Any, module: Any) -> None:
     if getattr(config, "hidden_dropout", 0.0) or getattr(config, "attention_dropout", 0.0):
         _refuse("dropout draws its masks per rank and per local microbatch; set hidden_dropout=0 and "
                 "attention_dropout=0")
+    if any(getattr(adapter_info(param), "factor", None) == "m" for param in module.parameters()):
+        _refuse("DoRA's magnitudes are not proven bit-exact (the mode's TP-invariant linears have no DoRA rescale); "
+                "set MEGATRON_LORA_DORA=0 or turn the layout_invariant patch off")
     pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
     if pipelined and any(param.requires_grad and getattr(param, "shared_embedding", False)
                          for param in module.parameters()):

@@ -32,6 +32,8 @@ standard PEFT LoRA on separate projections (lora/adapters/projections.py).
 fc2 B (SGLang's shared-outer layout; lora/layers/shared_outer.py, docs/handoff.md section 4).
 `MEGATRON_LORA_PLUS_RATIO=16` (LoRA+, PEFT's `loraplus_lr_ratio`) trains every B at 16 times A's learning
 rate (the `lora_plus` patch, lora/training/lora_plus.py).
+`MEGATRON_LORA_DORA=1` (DoRA, PEFT's `use_dora`) adds a trained magnitude per adapted output row
+(lora/adapters/dora.py).
 
 Modules to train fully (PEFT's `modules_to_save`): `MEGATRON_LORA_MODULES_TO_SAVE='output_layer'`
 names modules, matched like a target entry, whose base weights stay trainable with Megatron's own
@@ -99,6 +101,9 @@ class LoraConfig:
     # LoRA+ (PEFT's loraplus_lr_ratio): every B learns at this multiple of A's learning rate (max_lr and min_lr
     # alike, through Megatron's optimizer param-group overrides; lora/training/lora_plus.py); 1: plain LoRA
     plus_ratio: float = 1.0
+    # DoRA (PEFT's use_dora): each adapted output row is rescaled by a trained magnitude over the detached norm of
+    # its merged weight row (lora/adapters/dora.py); False: plain LoRA
+    dora: bool = False
 
     def __post_init__(self) -> None:
         for name in PATTERN_FIELDS:  # a mapping, or JSON's list of pairs, as a tuple of pairs in order
@@ -136,14 +141,15 @@ class LoraConfig:
             "separate_projections": self.separate_projections,
             "expert_shared_outer": self.expert_shared_outer,
             "modules_to_save": list(self.modules_to_save),
+            "dora": self.dora,
         }
 
     @classmethod
     def from_description(cls, description: Mapping[str, Any]) -> "LoraConfig":
         """The rank / alpha settings, layout and fully trained modules of a checkpoint description (older
-        ones have no rsLoRA, patterns, separate projections, shared outer expert factors or modules to save)."""
+        ones have no rsLoRA, patterns, separate projections, shared outer expert factors, modules to save or DoRA)."""
         keys = ("rank", "alpha", "rslora", "rank_pattern", "alpha_pattern", "separate_projections",
-                "expert_shared_outer")
+                "expert_shared_outer", "dora")
         values = {key: description[key] for key in keys if key in description}
         return cls(**values, modules_to_save=tuple(description.get("modules_to_save", ())))
 

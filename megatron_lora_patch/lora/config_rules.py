@@ -27,7 +27,7 @@ B_INIT_CHOICES = ("zero", "nonzero")
 SP_INPUT_CHOICES = ("keep", "regather")
 PATTERN_FIELDS = ("rank_pattern", "alpha_pattern")
 NAME_FIELDS = ("targets", "exclude", "modules_to_save")  # lists of module names
-BOOLEAN_FIELDS = ("rslora", "separate_projections", "expert_shared_outer")
+BOOLEAN_FIELDS = ("rslora", "separate_projections", "expert_shared_outer", "dora")
 FLOAT_FIELDS = ("alpha", "dropout", "plus_ratio")  # a file's integer (4) means the number (4.0)
 #: Canonical names of the modules that may train fully (`modules_to_save`; lora/layers/trained_fully.py says why).
 TRAINABLE_MODULES = ("output_layer", "embedding.word_embeddings")
@@ -176,6 +176,7 @@ RULES: dict = {
         and all(any(module_matches(name, (entry,)) for name in TRAINABLE_MODULES) for entry in v),
     ),
     "plus_ratio": ("a positive finite number (B's learning rate / A's; 1: plain LoRA)", float, _positive_finite),
+    "dora": ("one of " + ACCEPTED_BOOLEANS, lambda text: parse_bool("dora", text), lambda v: isinstance(v, bool)),
 }
 
 

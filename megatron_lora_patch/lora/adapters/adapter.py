@@ -16,6 +16,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from megatron_lora_patch.lora.adapters import dora
 from megatron_lora_patch.lora.adapters.init import logical_factors
 from megatron_lora_patch.lora.adapters.kernels import add_up_projection, down_projection, regather_down_projection
 from megatron_lora_patch.lora.adapters.layouts import shard
@@ -78,6 +79,10 @@ class LoraAdapter(torch.nn.Module):
         self.register_buffer("block_mask", mask, persistent=False)
 
         self.is_expert = bool(layer.is_expert)
+        # DoRA: `m` per local output row, initialised to ||W + s B A|| (lora/adapters/dora.py); None: plain LoRA
+        self.magnitude = dora.Magnitude(parallel_mode, self.tp_group) if config.dora else None
+        if self.magnitude is not None:
+            self.m = torch.nn.Parameter(self.weight_norm(weight).to(weight.dtype))
         self._tag_factors(module_name, out_stride)
 
     def _tag_factors(self, module_name: str, out_stride: int) -> None:
@@ -85,9 +90,10 @@ class LoraAdapter(torch.nn.Module):
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         is_expert, parallel_mode = self.is_expert, self.parallel_mode
-        sharded_factor, sharded_dim = ("B", 0) if parallel_mode == "column" else ("A", 1)
-        for factor, param in (("A", self.A), ("B", self.B)):
-            replicated = factor != sharded_factor
+        sharded = {"B": 0, dora.MAGNITUDE: 0} if parallel_mode == "column" else {"A": 1}
+        factors = [("A", self.A), ("B", self.B)] + ([(dora.MAGNITUDE, self.m)] if self.magnitude else [])
+        for factor, param in factors:
+            replicated = factor not in sharded
             info = AdapterParamInfo(
                 module=module_name,
                 factor=factor,
@@ -102,13 +108,29 @@ class LoraAdapter(torch.nn.Module):
             if not replicated:
                 # Grad-norm counts sharded params on every TP rank, replicated ones on TP rank 0.
                 stride = out_stride if parallel_mode == "column" else 1
-                set_tensor_model_parallel_attributes(param, True, sharded_dim, stride)
+                set_tensor_model_parallel_attributes(param, True, sharded[factor], stride)
 
     def extra_repr(self) -> str:
         return (
             f"{self.parallel_mode}, rank={self.rank}, scale={self.scale}, separate={self.block_mask is not None}, "
-            f"A={tuple(self.A.shape)}, B={tuple(self.B.shape)}"
+            f"A={tuple(self.A.shape)}, B={tuple(self.B.shape)}, dora={self.magnitude is not None}"
         )
+
+    def weight_norm(self, weight: torch.Tensor) -> torch.Tensor:
+        """DoRA's detached `||W + s B A||` per local output row (fp32) for the local base weight `weight`."""
+        assert self.magnitude is not None, "weight_norm is DoRA's"
+        return self.magnitude.norm(weight, self.A, self.up_weight(), self.scale)
+
+    def reset_magnitude(self, weight: torch.Tensor) -> None:
+        """DoRA: `m` := `||W + s B A||` of the base weight `weight` now (after the base was loaded)."""
+        with torch.no_grad():
+            self.m.copy_(self.weight_norm(weight))
+
+    def dora_rescale(self, output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`output * m / ||W + s B A||` per output row (the bias-free output; plain LoRA: `output`)."""
+        if self.magnitude is None:
+            return output
+        return dora.rescale(output, self.m, self.weight_norm(weight))
 
     def up_weight(self) -> torch.Tensor:
         """The B the LoRA term multiplies: `B`, or `B * block_mask` for separate projections."""

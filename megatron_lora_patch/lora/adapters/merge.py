@@ -19,6 +19,7 @@ import torch
 
 from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
 from megatron_lora_patch.lora.adapters.metadata import ADAPTER_NAME
+from megatron_lora_patch.runtime.errors import UsageError
 
 Merged = List[Tuple[torch.nn.Module, LoraAdapter]]
 
@@ -45,8 +46,13 @@ def _add_delta(layer: torch.nn.Module, adapter: LoraAdapter, sign: float) -> Non
 
 def merge_adapters(chunks: Iterable[torch.nn.Module]) -> Merged:
     """Add every adapter's delta to its layer's weight shard and detach the adapter; returns what to unmerge."""
+    layers = _layers_with_adapters(chunks)
+    dora = [adapter.module_name for layer in layers.values() if (adapter := layer._modules[ADAPTER_NAME]).magnitude]
+    if dora:
+        raise UsageError(f"merge_adapters: {dora[0]} has a DoRA adapter ({len(dora)} in all), whose merge rescales "
+                         "each weight row; merging DoRA is not supported yet (train with MEGATRON_LORA_DORA=0)")
     merged: Merged = []
-    for layer in _layers_with_adapters(chunks).values():
+    for layer in layers.values():
         adapter = layer._modules[ADAPTER_NAME]
         _add_delta(layer, adapter, +1.0)
         del layer._modules[ADAPTER_NAME]

@@ -23,7 +23,7 @@ _generation = 0
 @dataclasses.dataclass(frozen=True)
 class AdapterParamInfo:
     module: str  # qualified name of the wrapped layer in the model ("decoder.layers.0.mlp.linear_fc1")
-    factor: Literal["A", "B"]
+    factor: Literal["A", "B", "m"]  # "m": DoRA's magnitude (lora/adapters/dora.py), with the output rows
     replicated: bool
     domain: Literal["tp", "expert_tp"]  # the shard domain: dense TP group or expert-TP group
     group: Optional[Any]  # torch.distributed.ProcessGroup of the domain, taken from the wrapped layer

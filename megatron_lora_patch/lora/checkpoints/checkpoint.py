@@ -32,6 +32,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
+from megatron_lora_patch.lora.adapters.dora import MAGNITUDE
 from megatron_lora_patch.lora.adapters.metadata import ADAPTER_NAME
 from megatron_lora_patch.lora.checkpoints import staging
 from megatron_lora_patch.lora.inventory import DESCRIPTION_FORMAT, AdapterCheckpointError, describe, single_model
@@ -66,7 +67,8 @@ def _swiglu_factory(sharded: Any, sharded_offsets: tuple, metadata: Optional[dic
 def adapter_sharded_state_dict(
     adapter: LoraAdapter, prefix: str, sharded_offsets: tuple = (), metadata: Optional[dict] = None
 ) -> Dict[str, Any]:
-    """`{prefix}A` and `{prefix}B` as ShardedTensors (or a SwiGLU factory) with their true sharding.
+    """`{prefix}A`, `{prefix}B` (and DoRA's `{prefix}m`) as ShardedTensors (or a SwiGLU factory) with their true
+    sharding.
 
     Built with `ShardedTensor.from_rank_offsets` on the adapter's own TP group (the
     expert-TP group for expert linears) so it reads the same on every supported
@@ -78,18 +80,19 @@ def adapter_sharded_state_dict(
     tp_rank, tp_size = get_pg_rank(adapter.tp_group), get_pg_size(adapter.tp_group)
     dp_rank = _data_parallel_rank(metadata)
     prepend = len(sharded_offsets)
-    sharded_factor, axis = ("B", 0) if adapter.parallel_mode == "column" else ("A", 1)
+    # DoRA's magnitude `m` follows the output rows: sharded with column B, replicated with row B.
+    sharded_axes = {"B": 0, MAGNITUDE: 0} if adapter.parallel_mode == "column" else {"A": 1}
     entries: Dict[str, Any] = {}
-    for factor in ("A", "B"):
+    for factor in ("A", "B") + ((MAGNITUDE,) if adapter.magnitude is not None else ()):
         key, tensor = f"{prefix}{factor}", getattr(adapter, factor)
-        if factor != sharded_factor:
+        if factor not in sharded_axes:
             # Same values on every rank of the TP domain: only TP rank 0 (and DP rank 0) writes it.
             entries[key] = ShardedTensor.from_rank_offsets(
                 key, tensor, *sharded_offsets, replica_id=(0, tp_rank, dp_rank), prepend_axis_num=prepend
             )
             continue
         sharded = ShardedTensor.from_rank_offsets(
-            key, tensor, *sharded_offsets, (axis + prepend, tp_rank, tp_size),
+            key, tensor, *sharded_offsets, (sharded_axes[factor] + prepend, tp_rank, tp_size),
             replica_id=(0, 0, dp_rank), prepend_axis_num=prepend,
         )
         if getattr(tensor, "partition_stride", 1) == 2:  # SwiGLU fc1: [gate_shard; up_shard]
@@ -285,6 +288,12 @@ def load_adapters(chunks: Iterable[torch.nn.Module], directory: str) -> None:
         raise AdapterCheckpointError(
             f"{directory}: checkpoint {'has' if shared else 'has no'} expert factors shared per MoE layer but this "
             f"model {'has no' if shared else 'has'} them; set MEGATRON_LORA_EXPERT_SHARED_OUTER={int(shared)}"
+        )
+    dora = bool(saved.get("dora", False))  # older checkpoints: plain LoRA
+    if dora != here["dora"]:
+        raise AdapterCheckpointError(
+            f"{directory}: checkpoint {'has' if dora else 'has no'} DoRA magnitudes but this model's adapters "
+            f"{'do not use' if dora else 'use'} DoRA; set MEGATRON_LORA_DORA={int(dora)}"
         )
     sharded = adapter_only_sharded_state_dict(chunks)
     try:

@@ -13,7 +13,8 @@ entry points Megatron-LM's `save_checkpoint` / `load_checkpoint` and `save_adapt
   are taken out of the request before Megatron plans the load, at any strictness, so
   neither the load plan ("... lora.A from model not in state dict") nor the non-strict
   factory merge (SwiGLU fc1 `lora.B`) sees them; the base loads bitwise as saved, the
-  adapters keep their topology-invariant init, and one INFO line says so.
+  adapters keep their topology-invariant init (DoRA's `m` is set from the loaded base,
+  `magnitudes.py`), and one INFO line says so.
 - **load from a checkpoint with adapters**: Megatron restores them (resharded by the
   `lora_checkpoint` sharding); when they do not match this run's adapters (rank, targets)
   the load stops with one line naming both.
@@ -26,7 +27,7 @@ import logging
 from typing import Any, Dict, Iterator, List, Tuple
 
 from megatron_lora_patch.lora import inventory
-from megatron_lora_patch.lora.checkpoints import checkpoint, workflow
+from megatron_lora_patch.lora.checkpoints import checkpoint, magnitudes, workflow
 from megatron_lora_patch.lora.layers import attach
 from megatron_lora_patch.runtime.errors import UsageError
 
@@ -183,6 +184,8 @@ def load_base_or_adapters(wrapped, instance, args, kwargs):
             container = container[key]
         del container[path[-1]]
     result = wrapped(*args, **kwargs)
-    _put_back(result[0] if isinstance(result, tuple) else result, slots)
+    loaded = result[0] if isinstance(result, tuple) else result
+    _put_back(loaded, slots)
+    magnitudes.set_from_loaded_base(loaded, slots, attach.attached_models())
     _announce_base(directory, len(slots))
     return result

@@ -11,7 +11,16 @@ from megatron_lora_patch.lora.config import LoraConfig
 from megatron_lora_patch.lora.exchange.names import Logical, PeftFormatError
 
 
+def refuse_dora(description: dict, where: str) -> None:
+    """One line when the adapters `description` describes use DoRA: the exchange with PEFT has no writer or
+    reader of their magnitudes yet (issue 37 item 4)."""
+    if description.get("dora"):
+        raise PeftFormatError(f"{where}: the adapters use DoRA (MEGATRON_LORA_DORA=1), whose exchange with PEFT "
+                              "(use_dora, lora_magnitude_vector) is not supported yet; train with MEGATRON_LORA_DORA=0")
+
+
 def check_config(config: dict, description: dict, where: str) -> None:
+    refuse_dora(description, where)
     if config.get("peft_type") != "LORA":
         raise PeftFormatError(f"{where}: peft_type is {config.get('peft_type')!r}, only 'LORA' is supported")
     for flag in ("use_dora", "fan_in_fan_out"):

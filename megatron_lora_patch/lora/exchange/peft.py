@@ -105,6 +105,7 @@ def to_peft(
     """PEFT tensors (sorted by name, contiguous) and adapter config (PEFT fields only) for the logical
     adapters and the fully trained weights `full` (canonical module name -> logical weight)."""
     settings = LoraConfig.from_description(description)
+    checks.refuse_dora(description, "to_peft")
     expert_logical = {name: pair for name, pair in logical.items() if peft_experts.is_expert(name)}
     tensors, expert_settings = peft_experts.to_peft(expert_logical, description, family)
     full_tensors, trained_fully = peft_modules.to_peft(full or {}, description)

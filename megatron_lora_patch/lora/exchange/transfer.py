@@ -104,6 +104,7 @@ def export_peft(
     refused unless `overwrite`, and replaced only once the new adapter is complete.
     """
     recorded = checkpoint.read_description(checkpoint_source.resolve_save_dir(checkpoint_dir), names.checkpoint)
+    checks.refuse_dora(recorded, f"{names.checkpoint} {checkpoint_dir}")
     family = families.resolve(recorded, family, names.family)
     _check_apart(checkpoint_dir, out_dir, names)  # first: "pass --force" would destroy the checkpoint
     staging.check_target(out_dir, names.out, names.overwrite, overwrite)

@@ -43,6 +43,7 @@ from megatron_lora_patch.lora.config import (
     code_labels,
 )
 from megatron_lora_patch.lora.config import module_matches as _matches
+from megatron_lora_patch.lora.layers.dora_scope import refuse_unproven_dora
 from megatron_lora_patch.lora.layers.shared_outer import share_outer_factors
 from megatron_lora_patch.lora.layers.trained_fully import is_trained_fully, mark
 from megatron_lora_patch.lora.layers.unsupported import refuse_duplicated, refuse_unsupported
@@ -252,6 +253,8 @@ def attach_adapters(model: torch.nn.Module, config: Optional[LoraConfig] = None)
     selected = _select(model, list(linears), config, labels)
     refuse_duplicated([name for name in selected if linears[name][0][0] == "duplicated"])
     refuse_unsupported(model, ((name, *linears[name][2:]) for name in selected))
+    refuse_unproven_dora(config, labels, ((name, linears[name][1], linears[name][2], linears[name][0][2])
+                                          for name in selected))
     trained_fully = mark(model, config, labels, selected)
     for name in selected:
         kind, expert_index, module, parent = linears[name]

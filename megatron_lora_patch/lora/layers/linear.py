@@ -88,10 +88,17 @@ def linear_call(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> 
     # One adapter term per layer forward: any further call inside it is plain.
     _current_adapter.set(None)
     call = _call_arguments(wrapped, args, kwargs)
+    # DoRA scales the bias-free output (PEFT leaves the bias alone): the bias is added after the rescale.
+    bias = None
+    if adapter.magnitude is not None:
+        bias, call["bias"] = call.get("bias"), None
     if adapter.parallel_mode == "row":
         call["input"], hidden = adapter.row_down(call["input"], fuse_dgrad=True)
-        return adapter.up(hidden, wrapped(**call), in_place=True)
-    return column_call(wrapped, call, adapter)
+        output = adapter.up(hidden, wrapped(**call), in_place=True)
+    else:
+        output = column_call(wrapped, call, adapter)
+    output = adapter.dora_rescale(output, call["weight"])
+    return output if bias is None else output + bias
 
 
 def column_call(linear: Callable, call: dict, adapter: LoraAdapter) -> Any:

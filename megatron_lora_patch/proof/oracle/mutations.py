@@ -44,6 +44,11 @@ from megatron_lora_patch.proof.oracle.known_bugs import (
     wrong_qkv_packing,
     xavier_fan_in_local_shard,
 )
+from megatron_lora_patch.proof.oracle.known_bugs_dora import (
+    dora_magnitude_outside_grad_sync,
+    dora_norm_not_detached,
+    dora_row_norm_local,
+)
 from megatron_lora_patch.proof.oracle.known_bugs_mla import (
     kv_adapter_after_latent_norm,
     partial_rope_key_grad,
@@ -247,6 +252,30 @@ _ALL = (
         "tp2",
         install=lora_plus_ratio_on_a,
         options={"plus_ratio": 4.0},
+    ),
+    Mutation(
+        "dora_row_norm_local",
+        "A row-parallel layer's DoRA norm ||W + sBA|| is taken over the rank's own input slice, not summed over "
+        "TP (the input dimension the norm runs over is the sharded one).",
+        "tp2",
+        install=dora_row_norm_local,
+        options={"dora": True},
+    ),
+    Mutation(
+        "dora_magnitude_outside_grad_sync",
+        "A row-parallel layer's DoRA magnitude m (replicated over TP) keeps its per-rank partial grad: m left "
+        "out of the replicated factors' TP SUM.",
+        "tp2",
+        install=dora_magnitude_outside_grad_sync,
+        options={"dora": True},
+    ),
+    Mutation(
+        "dora_norm_not_detached",
+        "DoRA's weight norm keeps its graph, so A and B also get the norm's gradient (PEFT detaches the norm, "
+        "DoRA paper section 4.3).",
+        "tp2",
+        install=dora_norm_not_detached,
+        options={"dora": True},
     ),
     Mutation(
         "mla_down_projection_grad_not_summed",

@@ -290,7 +290,11 @@ def build_model(
     else:
         model = GPTModel(transformer_layer_spec=gpt_block_spec(spec, topology), **common)
     chunks = [model]
-    shards.load_logical(chunks, state_dict if state_dict is not None else logical_state_dict(spec, seed))
+    uncovered = shards.load_logical(chunks, state_dict if state_dict is not None else logical_state_dict(spec, seed))
+    if any(name.endswith(".lora.m") for name in uncovered):  # DoRA's m: from the base weights just loaded
+        from megatron_lora_patch.lora.checkpoints.magnitudes import reset_magnitudes
+
+        reset_magnitudes(model)
     return chunks
 
 
