@@ -308,6 +308,7 @@ def test_plugin_declares_every_variable_it_reads():
         "MEGATRON_LORA_EXPERT_SHARED_OUTER",
         "MEGATRON_LORA_MODULES_TO_SAVE",
         "MEGATRON_LORA_PLUS_RATIO",
+        "MEGATRON_LORA_DORA",
     ]
 
 
