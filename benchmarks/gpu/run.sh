@@ -21,7 +21,7 @@ failed=0
 if [ "$mode" = --dry-run ]; then
   python=${PYTHON:-python}
   loop=(--dry-run --iterations 4)
-  loop_limit=1200  # three Megatron-LM runs on a loaded 2-core CPU
+  loop_limit=1200  # four Megatron-LM runs on a loaded 2-core CPU
   cost=(--device cpu --dtype fp32 --hidden 128 --tp 1,8 --ranks 16 --tokens 64 --reps 2)
 else
   python3 -m venv --system-site-packages /tmp/gpu-venv || exit 1
