@@ -1,0 +1,168 @@
+"""LoRA training parity against Hugging Face `transformers` + `peft` (libraries nobody here wrote).
+
+The same base weights (`hf_llama.llama_for`: the testbed's logical weights under Llama names) train the same
+adapters on the same data for a few optimizer steps, once in Megatron (the testbed's training loop,
+`runner.run_jobs`, with the production patches as `MEGATRON_PLUGINS=lora_correct` sets them) and once in
+`peft`; the per-step losses and the adapters after every step are compared.
+
+Both sides run in fp32 with the same Adam (betas 0.9 / 0.999, `adam_eps`, no weight decay, no clipping:
+Megatron's Adam on a host is torch's), and the Megatron adapters' initial values are copied into peft's (via the
+package's PEFT export layout, `lora.exchange.peft.to_peft`). The adapters are standard PEFT LoRA
+(`separate_projections`: q / k / v and gate / up each with their own A and B, as peft trains them; the default
+shared A would train differently by design). What the data is, and how peft computes the loss of one global batch
+from it, is the caller's (`step_loss`): e.g. packed rows run one sequence at a time (tests/test_hf_parity_packed.py).
+Only TP1 topologies are compared (CP, DP): there a rank's adapters are the logical ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Dict, List, Sequence
+
+import torch
+
+from megatron_lora_patch.proof.oracle.harness import oracle_job
+from megatron_lora_patch.proof.oracle.settings import OracleSettings
+from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings
+from megatron_lora_patch.proof.testbed.runner import Job, run_jobs
+
+#: Every module a default LoRA target adapts, under Llama's names.
+PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParitySetup:
+    """What both sides share: the model, the seed of its weights, adapters and data, the optimizer's knobs,
+    and `lora_options`: LoraConfig fields beyond rank / alpha (separate projections always on)."""
+
+    spec: object
+    seed: int = 1234
+    steps: int = 3
+    global_batch_size: int = 4
+    lr: float = 1e-2
+    adam_eps: float = 1e-4
+    lora_rank: int = 4
+    lora_alpha: float = 8.0
+    lora_options: tuple = ()
+
+    def train_settings(self) -> TrainSettings:
+        """Megatron's side: Adam without weight decay or clipping, adapters recorded after every step."""
+        return TrainSettings(
+            steps=self.steps, seed=self.seed, global_batch_size=self.global_batch_size, lr=self.lr,
+            adam_eps=self.adam_eps, weight_decay=0.0, clip_grad=0.0, capture=Capture(params_every_step=True),
+        )
+
+    def oracle_settings(self) -> OracleSettings:
+        options = dict(self.lora_options, separate_projections=True)
+        return OracleSettings(
+            seed=self.seed, lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, lora_options=tuple(options.items())
+        )
+
+    def description(self) -> dict:
+        """What the PEFT layout conversion needs: the LoRA settings and the model's shape (SwiGLU)."""
+        from megatron_lora_patch.lora.config import LoraConfig
+
+        lora = LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha, **dict(self.oracle_settings().lora_options))
+        return dict(
+            lora.description(), num_layers=self.spec.num_layers, num_attention_heads=self.spec.num_attention_heads,
+            num_query_groups=self.spec.num_query_groups, kv_channels=self.spec.kv_channels, gated_linear_unit=True,
+        )
+
+
+def _peft_tensors(params: Dict[str, torch.Tensor], description: dict) -> Dict[str, torch.Tensor]:
+    """PEFT-named adapter tensors of a TP1 rank's adapter parameters (`<module>.lora.A` / `.B`)."""
+    from megatron_lora_patch.lora.exchange.peft import to_peft
+
+    logical = {}
+    for name, tensor in params.items():
+        module, factor = name.rsplit(".lora.", 1)
+        logical.setdefault(module, {})[factor] = tensor
+    tensors, _ = to_peft({module: (pair["A"], pair["B"]) for module, pair in logical.items()}, description)
+    return tensors
+
+
+def run_megatron(setup: ParitySetup, topologies: Sequence[str]) -> Dict[str, dict]:
+    """Per topology: `initial` (PEFT tensors before the first step), `losses` (each step's reported loss, a
+    global token mean) and `adapters` (PEFT tensors after each step), from rank 0."""
+    context = functools.partial(oracle_job, setup.oracle_settings(), None)
+    jobs = [Job(setup.spec, topology, setup.train_settings(), context=context) for topology in topologies]
+    description, results = setup.description(), {}
+    for topology, records in zip(topologies, run_jobs(jobs, warnings="ignore")):
+        record = records[0]
+        assert record["coords"]["tp_size"] == 1, "parity compares TP1 topologies (a rank holds whole adapters)"
+        results[topology] = {
+            "initial": _peft_tensors(record["initial_params"], description),
+            "losses": [step["lm_loss"] for step in record["steps"]],
+            "adapters": [_peft_tensors(step["params"], description) for step in record["steps"]],
+        }
+    return results
+
+
+def peft_model(setup: ParitySetup, initial: Dict[str, torch.Tensor]):
+    """The HF Llama with the setup's base weights and peft LoRA adapters holding `initial` (fp32, no dropout)."""
+    import hf_llama
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    config = LoraConfig(
+        r=setup.lora_rank, lora_alpha=setup.lora_alpha, target_modules=PEFT_TARGETS, lora_dropout=0.0,
+        use_rslora=dict(setup.lora_options).get("rslora", False),
+    )
+    model = get_peft_model(hf_llama.llama_for(setup.spec, setup.seed), config)
+    result = set_peft_model_state_dict(model, initial)
+    assert not result.unexpected_keys, result.unexpected_keys
+    loaded = {key for key in model.state_dict() if "lora_" in key}
+    assert len(loaded) == len(initial), (sorted(loaded), sorted(initial))
+    return model
+
+
+#: `step_loss(model, step)`: peft's loss of step `step`'s global batch (a scalar tensor, normalized globally).
+StepLoss = Callable[[torch.nn.Module, int], torch.Tensor]
+
+
+def run_peft(setup: ParitySetup, initial: Dict[str, torch.Tensor], step_loss: StepLoss) -> dict:
+    """`losses` and `adapters` (PEFT tensors after each step) of `setup.steps` Adam steps in peft.
+
+    One thread: the many tiny forwards are 15x slower when torch's threads outnumber the 2 CI cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _peft_steps(setup, peft_model(setup, initial), step_loss)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _peft_steps(setup: ParitySetup, model, step_loss: StepLoss) -> dict:
+    from peft import get_peft_model_state_dict
+
+    trained = [param for name, param in model.named_parameters() if param.requires_grad]
+    assert trained and all("lora_" in name for name, param in model.named_parameters() if param.requires_grad)
+    optimizer = torch.optim.Adam(trained, lr=setup.lr, betas=(0.9, 0.999), eps=setup.adam_eps, weight_decay=0.0)
+    losses, adapters = [], []
+    for step in range(setup.steps):
+        optimizer.zero_grad()
+        loss = step_loss(model, step)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        adapters.append({name: tensor.detach().clone() for name, tensor in get_peft_model_state_dict(model).items()})
+    return {"losses": losses, "adapters": adapters}
+
+
+def _relative(candidate: Dict[str, torch.Tensor], reference: Dict[str, torch.Tensor]) -> float:
+    """Relative L2 error of all adapter tensors together (the oracle's `rel_l2`); the names must agree."""
+    assert set(candidate) == set(reference), sorted(set(candidate) ^ set(reference))
+    names = sorted(reference)
+    expected = torch.cat([reference[name].flatten() for name in names])
+    return float((torch.cat([candidate[name].flatten() for name in names]) - expected).norm() / expected.norm())
+
+
+def errors(reference: dict, candidate: dict) -> List[Dict[str, float]]:
+    """Per step: `loss` (relative error of the loss) and `adapters` (relative L2 error of all adapter tensors)."""
+    assert len(reference["losses"]) == len(candidate["losses"]) == len(candidate["adapters"])
+    return [
+        {"loss": abs(loss - expected_loss) / abs(expected_loss), "adapters": _relative(adapters, expected)}
+        for loss, expected_loss, adapters, expected in zip(
+            candidate["losses"], reference["losses"], candidate["adapters"], reference["adapters"]
+        )
+    ]
