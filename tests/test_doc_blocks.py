@@ -47,6 +47,9 @@ BLOCKS = {
         elsewhere("scripts/run-tests.sh (each leg: torch==2.13.0, the wheel, `megatron-lora-patch oracle`)"),
     ("README.md", MAIN_JOB): elsewhere(CPU_FORM + "; its `status` line runs here"),
     ("README.md", "MEGATRON_PLUGINS=lora_correct MEGATRON_LORA_RANK=16 \\"): elsewhere(CPU_FORM),
+    ("README.md", MAIN_JOB + " \\"): needs(
+        "GPUs and your SFT data; tests/test_megatron_lm_loop.py runs these data flags (megatron_lm_runs.sft_data_args)"
+    ),
     ("README.md", "megatron-lora-patch preflight -- --num-layers 32 --hidden-size 4096 --num-attention-heads 32 \\"):
         needs("a node for a 4096-wide model; tests/test_preflight.py runs the same command on tiny widths"),
     ("README.md", 'state = handoff.adapter_state(model_chunks, family="qwen3_moe", dst=0)   # every rank calls it'):
