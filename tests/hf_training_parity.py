@@ -11,14 +11,15 @@ package's PEFT export layout, `lora.exchange.peft.to_peft`). The adapters are st
 (`separate_projections`: q / k / v and gate / up each with their own A and B, as peft trains them; the default
 shared A would train differently by design). What the data is, and how peft computes the loss of one global batch
 from it, is the caller's (`step_loss`): e.g. packed rows run one sequence at a time (tests/test_hf_parity_packed.py).
-Only TP1 topologies are compared (CP, DP): there a rank's adapters are the logical ones.
+Megatron's adapters are put back together from every rank's shards (any TP); DoRA's magnitudes (`dora` in
+`lora_options`, PEFT's `use_dora`) are split per projection like the B rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -70,31 +71,71 @@ class ParitySetup:
         )
 
 
+def _logical(records: List[dict], phase: str, step: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """The logical adapter tensors of one phase ('initial_params', or step `step`'s 'params') from every rank's
+    shards (TP slices put back where `shards.Shard` says they sit)."""
+    from megatron_lora_patch.proof.testbed.shards import assemble_logical
+
+    rank_items, shapes = [], {}
+    for record in records:
+        tensors = record[phase] if step is None else record["steps"][step][phase]
+        items = [(record["shards"][name], tensor) for name, tensor in tensors.items()]
+        for shard, tensor in items:
+            shape = list(tensor.shape)
+            if shard.partition_dim is not None:
+                shape[shard.partition_dim] *= shard.size
+            shapes[shard.logical_name] = tuple(shape)
+        rank_items.append(items)
+    return assemble_logical(rank_items, shapes)
+
+
 def _peft_tensors(params: Dict[str, torch.Tensor], description: dict) -> Dict[str, torch.Tensor]:
-    """PEFT-named adapter tensors of a TP1 rank's adapter parameters (`<module>.lora.A` / `.B`)."""
+    """PEFT-named adapter tensors of the logical adapter parameters (`<module>.lora.A` / `.B`, DoRA's `.m`)."""
     from megatron_lora_patch.lora.exchange.peft import to_peft
 
-    logical = {}
+    logical: Dict[str, Dict[str, torch.Tensor]] = {}
     for name, tensor in params.items():
         module, factor = name.rsplit(".lora.", 1)
         logical.setdefault(module, {})[factor] = tensor
-    tensors, _ = to_peft({module: (pair["A"], pair["B"]) for module, pair in logical.items()}, description)
-    return tensors
+    pairs = {module: (factors["A"], factors["B"]) for module, factors in logical.items()}
+    tensors, _ = to_peft(pairs, dict(description, dora=False))  # the export refuses DoRA: m is split below
+    for module, factors in logical.items():
+        if "m" in factors:
+            tensors.update(_peft_magnitudes(module, factors["m"], description))
+    return dict(sorted(tensors.items()))
+
+
+def _peft_magnitudes(module: str, magnitude: torch.Tensor, description: dict) -> Dict[str, torch.Tensor]:
+    """DoRA's magnitude of a Megatron module, per PEFT projection (rows split as the module's B rows are)."""
+    from megatron_lora_patch.lora.adapters.layouts import fc1_to_gate_up, qkv_mixed_to_separate
+
+    layer, linear = module.split(".")[2], module.rsplit(".", 1)[-1]
+    prefix = f"base_model.model.model.layers.{layer}."
+    if linear == "linear_qkv":
+        heads, groups, channels = (description[key] for key in ("num_attention_heads", "num_query_groups",
+                                                                 "kv_channels"))
+        parts = [part[:, 0] for part in qkv_mixed_to_separate(magnitude[:, None], heads, groups, channels)]
+        paths = [f"self_attn.{name}_proj" for name in "qkv"]
+    elif linear == "linear_fc1":
+        parts, paths = list(fc1_to_gate_up(magnitude)), ["mlp.gate_proj", "mlp.up_proj"]
+    else:
+        parts, paths = [magnitude], ["self_attn.o_proj" if linear == "linear_proj" else "mlp.down_proj"]
+    return {f"{prefix}{path}.lora_magnitude_vector": part.contiguous() for path, part in zip(paths, parts)}
 
 
 def run_megatron(setup: ParitySetup, topologies: Sequence[str]) -> Dict[str, dict]:
     """Per topology: `initial` (PEFT tensors before the first step), `losses` (each step's reported loss, a
-    global token mean) and `adapters` (PEFT tensors after each step), from rank 0."""
+    global token mean) and `adapters` (PEFT tensors after each step), from every rank's adapters."""
     context = functools.partial(oracle_job, setup.oracle_settings(), None)
     jobs = [Job(setup.spec, topology, setup.train_settings(), context=context) for topology in topologies]
     description, results = setup.description(), {}
     for topology, records in zip(topologies, run_jobs(jobs, warnings="ignore")):
-        record = records[0]
-        assert record["coords"]["tp_size"] == 1, "parity compares TP1 topologies (a rank holds whole adapters)"
         results[topology] = {
-            "initial": _peft_tensors(record["initial_params"], description),
-            "losses": [step["lm_loss"] for step in record["steps"]],
-            "adapters": [_peft_tensors(step["params"], description) for step in record["steps"]],
+            "initial": _peft_tensors(_logical(records, "initial_params"), description),
+            "losses": [step["lm_loss"] for step in records[0]["steps"]],
+            "adapters": [
+                _peft_tensors(_logical(records, "params", step), description) for step in range(setup.steps)
+            ],
         }
     return results
 
@@ -106,7 +147,7 @@ def peft_model(setup: ParitySetup, initial: Dict[str, torch.Tensor]):
 
     config = LoraConfig(
         r=setup.lora_rank, lora_alpha=setup.lora_alpha, target_modules=PEFT_TARGETS, lora_dropout=0.0,
-        use_rslora=dict(setup.lora_options).get("rslora", False),
+        use_rslora=dict(setup.lora_options).get("rslora", False), use_dora=dict(setup.lora_options).get("dora", False),
     )
     model = get_peft_model(hf_llama.llama_for(setup.spec, setup.seed), config)
     result = set_peft_model_state_dict(model, initial)
