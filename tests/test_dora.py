@@ -10,7 +10,6 @@ row-parallel norm left local, `m` out of the grad sync or the norm not detached 
 from __future__ import annotations
 
 import dora_worker
-import pytest
 from error_metrics import assert_errors_within
 
 from megatron_lora_patch.proof.testbed.launcher import run_world
