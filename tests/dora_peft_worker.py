@@ -1,8 +1,9 @@
 """Rank-side code of the DoRA PEFT exchange tests (tests/test_persistence_peft_dora.py).
 
 `export_world`: a DoRA model whose magnitudes moved off their initial norm (as training moves them) returns its
-logits and writes an adapter-only checkpoint. `import_world`: fresh DoRA adapters (another seed) import a PEFT
-adapter, return the logits and their magnitudes, and write an adapter-only checkpoint (for the export back).
+logits, writes an adapter-only checkpoint and merges its adapters (DoRA's row scale) and back.
+`import_world`: fresh DoRA adapters (another seed) import a PEFT adapter, return the logits and write an
+adapter-only checkpoint (for the export back).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def _move_magnitudes(model: torch.nn.Module) -> None:
 
 
 def export_world(rank: int, world: int, topology: str, spec, seed: int, directory: str, options: dict) -> Dict:
+    """Logits with the adapters, an adapter-only checkpoint, then logits merged / unmerged and the weight drift."""
+    from megatron_lora_patch.lora.adapters.merge import merge_adapters, unmerge_adapters
     from megatron_lora_patch.lora.checkpoints.checkpoint import save_adapters
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
@@ -29,9 +32,17 @@ def export_world(rank: int, world: int, topology: str, spec, seed: int, director
     setup(lora_config(seed, dora=True, **options))
     with Topology.parse(topology).world():
         chunks = build_model(spec, Topology.parse(topology))
-        _move_magnitudes(chunks[0])
+        model = chunks[0]
+        _move_magnitudes(model)
         save_adapters(chunks, directory)
-        return {"adapted": full_logits(chunks[0], spec)}
+        adapted = full_logits(model, spec)
+        weights = {name: p.detach().clone() for name, p in model.named_parameters() if ".lora." not in name}
+        merged = merge_adapters(chunks)
+        merged_logits = full_logits(model, spec)
+        unmerge_adapters(merged)
+        drift = max((p.detach() - weights[n]).abs().max().item() for n, p in model.named_parameters() if n in weights)
+        return {"adapted": adapted, "merged": merged_logits, "unmerged": full_logits(model, spec),
+                "merged_count": len(merged), "weight_drift": drift}
 
 
 def import_world(rank: int, world: int, topology: str, spec, peft_dir: str, directory: str, options: dict) -> Dict:
@@ -45,5 +56,4 @@ def import_world(rank: int, world: int, topology: str, spec, peft_dir: str, dire
         chunks = build_model(spec, Topology.parse(topology))
         import_peft(chunks, peft_dir)
         save_adapters(chunks, directory)
-        magnitudes = {n: p.detach().clone() for n, p in chunks[0].named_parameters() if n.endswith(".lora.m")}
-        return {"logits": full_logits(chunks[0], spec), "magnitudes": magnitudes}
+        return {"logits": full_logits(chunks[0], spec)}

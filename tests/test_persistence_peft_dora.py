@@ -7,6 +7,7 @@ same base weights gives Megatron's logits (fp32, 1e-5). Negative controls: the s
 magnitudes (peft then sets them from the weights) or loaded as plain LoRA is >= 100x off.
 Import: a DoRA adapter made and trained two steps in peft (so its `m` is no longer ||W + s B A||) continues at
 TP2: the imported model's logits and first loss equal peft's, and its export gives peft's tensors back bitwise.
+Merge: the TP2 model merged as PEFT merges DoRA gives the adapter forward's logits; unmerge restores the weights.
 """
 
 from __future__ import annotations
@@ -61,7 +62,17 @@ def exported(tmp_path_factory):
     results = run_world(worker.export_world, 2, args=("tp2", SPEC, 21, checkpoint, {}), name="tp2", timeout=240)
     done = _cli("export", "--checkpoint", checkpoint, "--out", peft_dir, cwd=root)
     assert done.returncode == 0, done.stderr
-    return {"peft": peft_dir, "adapted": results[0]["adapted"]}
+    return {"peft": peft_dir, "adapted": results[0]["adapted"], "ranks": results}
+
+
+def test_dora_merge_equals_the_adapter_forward_and_unmerge_restores(exported):
+    """PEFT's DoRA merge at TP2 (column- and row-parallel layers). Not vacuous: the magnitudes moved off the norm,
+    and without them (plain LoRA) the logits are >= 100x off (test_peft_loads_the_dora_export_with_megatron_logits)."""
+    for rank in exported["ranks"]:
+        assert rank["merged_count"] == 4 * SPEC.num_layers
+        assert max_abs_error_over_max(rank["merged"], rank["adapted"]) <= TOLERANCE
+        assert max_abs_error_over_max(rank["unmerged"], rank["adapted"]) <= TOLERANCE
+        assert rank["weight_drift"] <= 1e-6  # fp32 rounding of (W + d) * c / c - d on |W| ~ 0.1
 
 
 def test_peft_loads_the_dora_export_with_megatron_logits(exported, tmp_path):
