@@ -87,8 +87,27 @@ def test_handoff_refuses_dora(monkeypatch):
     from megatron_lora_patch.lora import inventory
 
     monkeypatch.setattr(inventory, "describe", lambda chunks: {"dora": True})
-    with pytest.raises(PeftFormatError, match=r"^handoff\.adapter_state: DoRA adapters have no hand-off payload"):
+    with pytest.raises(PeftFormatError, match=r"^handoff\.adapter_state: DoRA adapters have no hand-off payload: "
+                       r"neither SGLang nor vLLM serves DoRA .*merge_adapters"):
         state.adapter_state([torch.nn.Linear(2, 2)])
+
+
+def test_engine_payloads_refuse_dora_naming_the_engine():
+    """Neither engine serves DoRA (handoff/engines.py): a DoRA state (a PEFT DoRA adapter in memory) is refused
+    with one line naming each; the same state as plain LoRA passes (the refusal is DoRA's, nothing else)."""
+    from megatron_lora_patch import handoff
+
+    key = "base_model.model.model.layers.0.mlp.down_proj."
+    tensors = {key + "lora_A.weight": torch.ones(4, 8), key + "lora_B.weight": torch.ones(8, 4),
+               key + "lora_magnitude_vector": torch.ones(8)}
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8.0, "target_modules": ["down_proj"], "use_dora": True}
+    dora = handoff.AdapterState(config, tensors, "llama")
+    for engine, call in (("SGLang", lambda s: handoff.sglang_payload(s, "p")),
+                         ("vLLM", lambda s: handoff.vllm_payload(s, "p", 1))):
+        with pytest.raises(PeftFormatError, match=rf"^{engine} cannot serve DoRA adapters \(use_dora=true: .*\); "
+                           r"roll out merged weights \(merge_adapters\) or train with MEGATRON_LORA_DORA=0$"):
+            call(dora)
+        assert call(handoff.AdapterState({**config, "use_dora": False}, tensors, "llama"))
 
 
 def test_layout_invariant_refuses_dora():
