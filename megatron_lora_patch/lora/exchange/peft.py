@@ -122,7 +122,7 @@ def to_peft(
     dense = {name: pair for name, pair in logical.items() if name not in expert_logical}
     ranks: Dict[str, int] = {}
     alphas: Dict[str, float] = {}
-    targets = _dense_to_peft(dense, description, family, tensors, (ranks, alphas, magnitudes or {}))
+    targets = _dense_to_peft(dense, description, family, tensors, ranks, alphas, magnitudes or {})
     for path, (rank, alpha) in expert_settings.items():  # the patterns cover dense and expert paths
         ranks[path], alphas[path] = rank, alpha
     config = {
@@ -160,11 +160,16 @@ def _check_magnitudes(logical: Logical, description: dict, magnitudes: Magnitude
 
 
 def _dense_to_peft(
-    logical: Logical, description: dict, family: str, tensors: Dict[str, torch.Tensor], settings_out: tuple
+    logical: Logical,
+    description: dict,
+    family: str,
+    tensors: Dict[str, torch.Tensor],
+    ranks: dict,
+    alphas: dict,
+    magnitudes: Magnitudes,
 ) -> List[str]:
-    """Add the PEFT tensors (DoRA's magnitudes included), ranks and alphas (by HF module path) of non-expert adapters
-    (`settings_out`: the ranks, alphas dicts to fill and the magnitudes); returns `target_modules`."""
-    ranks, alphas, magnitudes = settings_out
+    """Add the PEFT tensors (with DoRA's `magnitudes`, if any), ranks and alphas (by HF module path) of non-expert
+    adapters; returns `target_modules`."""
     names = names_for(family)
     settings = LoraConfig.from_description(description)
     layer_modules: Dict[str, set] = {}
