@@ -102,18 +102,4 @@ def check_dora_layers(rank: int, world: int, topology_spec: str) -> Dict[str, fl
         assert trainable == [f"linear_{n}.lora.{f}" for n in ("fc1", "fc2") for f in ("A", "B", "m")], trainable
         errors.update(_layer_errors(shards, lora, "fc1", layers, HIDDEN, FFN))
         errors.update(_layer_errors(shards, lora, "fc2", layers, FFN, HIDDEN))
-        _check_merge_refused(layers)
     return errors
-
-
-def _check_merge_refused(layers) -> None:
-    """`merge_adapters` refuses DoRA adapters with one line (it would drop the magnitudes)."""
-    from megatron_lora_patch.lora.adapters.merge import merge_adapters
-    from megatron_lora_patch.runtime.errors import UsageError
-
-    try:
-        merge_adapters([layers])
-    except UsageError as error:
-        assert str(error).startswith("merge_adapters: linear_fc1 has a DoRA adapter (2 in all)"), error
-    else:
-        raise AssertionError("merge_adapters merged DoRA adapters")

@@ -1,6 +1,7 @@
 """Fail closed on DoRA (MEGATRON_LORA_DORA, issue 37): what DoRA is not proven for stops with one line,
 before any step: a bad value, dropout, MoE experts, shared outer expert factors, Transformer Engine
-linears, the layout_invariant mode, PEFT export, the engine hand-off and merging (lora/layers/dora_scope.py).
+linears, the layout_invariant mode, what PEFT cannot express, the engine hand-off and merging
+(lora/layers/dora_scope.py).
 """
 
 from __future__ import annotations
@@ -54,20 +55,31 @@ def test_unproven_scope_is_refused(case):
                          selected)  # plain LoRA passes the same selection
 
 
-DORA_EXCHANGE = ("the adapters use DoRA (MEGATRON_LORA_DORA=1), whose exchange with PEFT (use_dora, "
-                 "lora_magnitude_vector) is not supported yet; train with MEGATRON_LORA_DORA=0")
-
-
-def test_peft_export_and_import_refuse_dora():
-    """The live-model conversion and an import into DoRA adapters (the export of a DoRA checkpoint:
-    tests/test_dora.py)."""
+def test_peft_exchange_refuses_what_dora_cannot_express():
+    """DoRA travels both ways (tests/test_persistence_peft_dora.py); refused with one line: a DoRA adapter into
+    plain LoRA adapters and back, DoRA on peft's target_parameters (experts: peft has no DoRA there), a DoRA
+    adapter without its magnitudes, and a DoRA export without the magnitudes."""
     from megatron_lora_patch.lora.exchange import checks, peft
 
-    description = {"rank": 4, "alpha": 8.0, "dora": True}
-    with pytest.raises(PeftFormatError, match="^to_peft: " + DORA_EXCHANGE.replace("(", r"\(").replace(")", r"\)")):
-        peft.to_peft({}, description)
-    with pytest.raises(PeftFormatError, match="^adapter_dir: the adapters use DoRA"):
-        checks.check_config({"peft_type": "LORA", "r": 4, "lora_alpha": 8.0}, description, "adapter_dir")
+    lora, dora = {"rank": 4, "alpha": 8.0}, {"rank": 4, "alpha": 8.0, "dora": True}
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8.0}
+    cases = [
+        (lambda: checks.check_config({**config, "use_dora": True}, lora, "adapter_dir"),
+         "^adapter_dir: use_dora=true but the model's adapters do not use DoRA; build them with MEGATRON_LORA_DORA=1$"),
+        (lambda: checks.check_config(config, dora, "adapter_dir"),
+         "^adapter_dir: use_dora=false but the model's adapters use DoRA; build them with MEGATRON_LORA_DORA=0$"),
+        (lambda: checks.check_config({**config, "use_dora": True, "target_parameters": ["x"]}, dora, "adapter_dir"),
+         r"^adapter_dir: DoRA on target_parameters \(MoE experts\) is not supported"),
+        (lambda: peft.from_peft({}, {**config, "use_dora": True}, dora, [], "adapter_dir"),
+         r"^adapter_dir: a DoRA adapter \(use_dora=true\) needs from_peft\(\.\.\., magnitudes=\{\}\)$"),
+        (lambda: peft.to_peft({"decoder.layers.0.mlp.linear_fc2": (torch.zeros(4, 8), torch.zeros(8, 4))}, dora),
+         r"^to_peft: DoRA=True needs a magnitude for each adapted module \(missing \['decoder.layers.0.mlp"),
+        (lambda: peft.to_peft({}, lora, magnitudes={"decoder.layers.0.mlp.linear_fc2": torch.ones(8)}),
+         r"^to_peft: DoRA=False .*\(extra \['decoder.layers.0.mlp.linear_fc2'\]\)"),
+    ]
+    for call, pattern in cases:
+        with pytest.raises(PeftFormatError, match=pattern):
+            call()
 
 
 def test_handoff_refuses_dora(monkeypatch):
@@ -75,8 +87,27 @@ def test_handoff_refuses_dora(monkeypatch):
     from megatron_lora_patch.lora import inventory
 
     monkeypatch.setattr(inventory, "describe", lambda chunks: {"dora": True})
-    with pytest.raises(PeftFormatError, match=r"^handoff\.adapter_state: DoRA adapters have no hand-off payload"):
+    with pytest.raises(PeftFormatError, match=r"^handoff\.adapter_state: DoRA adapters have no hand-off payload: "
+                       r"neither SGLang nor vLLM serves DoRA .*merge_adapters"):
         state.adapter_state([torch.nn.Linear(2, 2)])
+
+
+def test_engine_payloads_refuse_dora_naming_the_engine():
+    """Neither engine serves DoRA (handoff/engines.py): a DoRA state (a PEFT DoRA adapter in memory) is refused
+    with one line naming each; the same state as plain LoRA passes (the refusal is DoRA's, nothing else)."""
+    from megatron_lora_patch import handoff
+
+    key = "base_model.model.model.layers.0.mlp.down_proj."
+    tensors = {key + "lora_A.weight": torch.ones(4, 8), key + "lora_B.weight": torch.ones(8, 4),
+               key + "lora_magnitude_vector": torch.ones(8)}
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8.0, "target_modules": ["down_proj"], "use_dora": True}
+    dora = handoff.AdapterState(config, tensors, "llama")
+    for engine, call in (("SGLang", lambda s: handoff.sglang_payload(s, "p")),
+                         ("vLLM", lambda s: handoff.vllm_payload(s, "p", 1))):
+        with pytest.raises(PeftFormatError, match=rf"^{engine} cannot serve DoRA adapters \(use_dora=true: .*\); "
+                           r"roll out merged weights \(merge_adapters\) or train with MEGATRON_LORA_DORA=0$"):
+            call(dora)
+        assert call(handoff.AdapterState({**config, "use_dora": False}, tensors, "llama"))
 
 
 def test_layout_invariant_refuses_dora():

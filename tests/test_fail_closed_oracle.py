@@ -221,6 +221,21 @@ def test_mla_models_on_megatron_core_0_13_are_one_line(monkeypatch, model):
     harness.check_topology(Topology.parse("dp2"), harness.OracleSettings(model=model))
 
 
+def test_dora_on_moe_topologies_is_one_line_before_any_world():
+    """DoRA's `--topologies all` (issue 37 item 3): expert topologies refuse DoRA up front (the build would refuse it
+    on the experts in every rank); with the experts excluded, or on a dense topology, it is accepted."""
+    dora = harness.OracleSettings(lora_options=(("dora", True),))
+    with pytest.raises(harness.OracleError) as refused:
+        harness.check_topology(Topology.parse("ep2"), dora)
+    assert str(refused.value) == (
+        "DoRA on ep2 (--model moe): DoRA on MoE experts is not supported; run DoRA on the dense model (topologies "
+        "without ep / etp) or exclude the experts (exclude=('*experts*',))"
+    )
+    excluded = harness.OracleSettings(lora_options=(("dora", True), ("exclude", ("*experts*",))))
+    harness.check_topology(Topology.parse("ep2"), excluded)
+    harness.check_topology(Topology.parse("tp2"), dora)
+
+
 def _phase(rel_l2: float, threshold: float) -> PhaseMetrics:
     return PhaseMetrics(rel_l2, rel_l2, "t", {}, threshold)
 

@@ -101,7 +101,7 @@ def test_other_rank_alpha_and_variants_are_refused():
     _refused(tensors, config, "r=8", "rank 4", "MEGATRON_LORA_RANK=8")
     tensors, config = _valid()
     _refused(tensors, {**config, "lora_alpha": 16}, "lora_alpha=16")
-    _refused(tensors, {**config, "use_dora": True}, "use_dora")
+    _refused(tensors, {**config, "use_dora": True}, "use_dora=true", "do not use DoRA", "MEGATRON_LORA_DORA=1")
     _refused(tensors, {**config, "peft_type": "IA3"}, "IA3")
 
 

@@ -16,6 +16,11 @@
   Refused in one line, as vLLM refuses them: `modules_to_save` (`PEFTHelper._validate_features`) and a
   3D-MoE layer with only one of gate_up / down adapted (`_stack_moe_lora_weights` asserts both).
 
+DoRA (`use_dora`): neither engine serves it, each refused in one line naming it. vLLM's `PEFTHelper.
+_validate_features` rejects `use_dora` ("vLLM does not yet support DoRA"; DoRA serving is an open PR, vllm-project/vllm
+47395); SGLang's LoRA layers (python/sglang/srt/lora/layers.py) add `scaling * B A x` to the base output and read no
+`lora_magnitude_vector`, so a DoRA adapter would roll out another policy. Merged weights (`merge_adapters`) serve.
+
 DeepSeek-V3 (`deepseek_v3`, multi-latent attention), what each engine applies LoRA to, from its source:
 - SGLang: every MLA projection. `q_a_proj` and `kv_a_proj_with_mqa` through its fused
   `fused_qkv_a_proj_with_mqa` (sgl-project/sglang PR 22323), `q_b_proj` and `kv_b_proj` since PR 25001
@@ -93,9 +98,16 @@ def one_rank(state: AdapterState) -> AdapterState:
     return dataclasses.replace(state, config=flat, tensors=tensors)
 
 
+def _refuse_dora(state: AdapterState, engine: str, why: str) -> None:
+    if state.config.get("use_dora"):
+        raise EngineError(f"{engine} cannot serve DoRA adapters (use_dora=true: {why}); roll out merged weights "
+                          "(merge_adapters) or train with MEGATRON_LORA_DORA=0")
+
+
 def sglang_payload(state: AdapterState, lora_name: str) -> Dict[str, Any]:
     """Keyword arguments of SGLang's `Engine.load_lora_adapter_from_tensors` for `state` on rank `dst`."""
     _tensors(state)
+    _refuse_dora(state, "SGLang", "its LoRA layers apply no lora_magnitude_vector")
     if state.config.get("target_parameters"):
         raise EngineError("SGLang reads routed experts per expert (`experts.<e>.` names) or as 3D tensors, not peft's "
                           "packed target_parameters wrappers; pass handoff.convert(state, 'per_expert')")
@@ -131,6 +143,7 @@ def vllm_payload(state: AdapterState, lora_name: str, lora_int_id: int) -> Dict[
     if lora_int_id < 1:
         raise EngineError(f"vLLM LoRA ids start at 1 (LoRAModel asserts id > 0), got {lora_int_id}")
     _tensors(state)
+    _refuse_dora(state, "vLLM", "PEFTHelper rejects it")
     _check_vllm(state)
     if _patterned(state.config):
         state = one_rank(state)

@@ -80,8 +80,9 @@ def _stream(chunks: List[torch.nn.Module], family: Optional[str], dst: int, time
     _check_dst(dst)
     description = inventory.describe(chunks)  # the one walk of the model's adapters for its description
     if description.get("dora"):  # the same on every rank (one configuration), so every rank refuses alike
-        raise names.PeftFormatError(f"handoff.{call}: DoRA adapters have no hand-off payload yet (no engine here "
-                                    "serves their magnitudes); train with MEGATRON_LORA_DORA=0 to hand off")
+        raise names.PeftFormatError(f"handoff.{call}: DoRA adapters have no hand-off payload: neither SGLang nor "
+                                    "vLLM serves DoRA (handoff/engines.py); roll out merged weights (merge_adapters) "
+                                    "or train with MEGATRON_LORA_DORA=0")
     family = families.resolve(description, family, what="the model")
     local = gather.local_tensors(chunks)
     chosen = gather.plan(local, dst)

@@ -6,22 +6,26 @@ is made of local factors only (docs/architecture.md section 4):
   including the SwiGLU `[gate_shard; up_shard]` layout);
 - row-parallel: `W_shard += s * B A_shard` (B replicated; A is cut like W's columns).
 
+DoRA (PEFT's merge): `W' = m / ||W + s B A|| * (W + s B A)` per output row. The scale is exact under TP: a
+column-parallel shard holds whole rows; a row-parallel shard holds a slice of every row, and the norm is SUMmed
+over TP (`LoraAdapter.weight_norm`, one all-reduce per layer), so every rank scales its slice by the same
+factor. A model with DoRA adapters therefore merges collectively over TP: call it on every rank.
+
 `merge_adapters` detaches the adapters from their layers (so the forward is the plain
-base layer with merged weights) and returns them; `unmerge_adapters` subtracts the same
-delta (computed in float32) and re-attaches them: the inverse up to the weights' dtype rounding.
+base layer with merged weights) and returns them; `unmerge_adapters` divides by DoRA's row scale, subtracts the
+same delta (computed in float32) and re-attaches them: the inverse up to the weights' dtype rounding.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
 from megatron_lora_patch.lora.adapters.metadata import ADAPTER_NAME
-from megatron_lora_patch.runtime.errors import UsageError
 
-Merged = List[Tuple[torch.nn.Module, LoraAdapter]]
+Merged = List[Tuple[torch.nn.Module, LoraAdapter, Optional[torch.Tensor]]]  # (layer, adapter, DoRA's row scale)
 
 
 def delta(adapter: LoraAdapter) -> torch.Tensor:
@@ -38,32 +42,44 @@ def _layers_with_adapters(chunks: Iterable[torch.nn.Module]) -> Dict[str, torch.
     }
 
 
-def _add_delta(layer: torch.nn.Module, adapter: LoraAdapter, sign: float) -> None:
+def _merge(layer: torch.nn.Module, adapter: LoraAdapter) -> Optional[torch.Tensor]:
+    """`W := W + s B A`, for DoRA then each local row times `m / ||W + s B A||` (a collective over TP for a
+    row-parallel layer); returns DoRA's row scale (None: plain LoRA)."""
+    weight = layer.weight
+    row_scale = None
+    if adapter.magnitude is not None:
+        row_scale = adapter.m.detach().float() / adapter.weight_norm(weight)
+    with torch.no_grad():
+        merged = weight.float() + delta(adapter)
+        if row_scale is not None:
+            merged = merged * row_scale.unsqueeze(1)
+        weight.copy_(merged.to(weight.dtype))
+    return row_scale
+
+
+def _unmerge(layer: torch.nn.Module, adapter: LoraAdapter, row_scale: Optional[torch.Tensor]) -> None:
     weight = layer.weight
     with torch.no_grad():
-        weight.copy_((weight.float() + sign * delta(adapter)).to(weight.dtype))
+        restored = weight.float() if row_scale is None else weight.float() / row_scale.unsqueeze(1)
+        weight.copy_((restored - delta(adapter)).to(weight.dtype))
 
 
 def merge_adapters(chunks: Iterable[torch.nn.Module]) -> Merged:
-    """Add every adapter's delta to its layer's weight shard and detach the adapter; returns what to unmerge."""
-    layers = _layers_with_adapters(chunks)
-    dora = [adapter.module_name for layer in layers.values() if (adapter := layer._modules[ADAPTER_NAME]).magnitude]
-    if dora:
-        raise UsageError(f"merge_adapters: {dora[0]} has a DoRA adapter ({len(dora)} in all), whose merge rescales "
-                         "each weight row; merging DoRA is not supported yet (train with MEGATRON_LORA_DORA=0)")
+    """Merge every adapter into its layer's weight shard and detach the adapter; returns what to unmerge
+    (collective over TP when there are DoRA adapters: call on every rank)."""
     merged: Merged = []
-    for layer in layers.values():
+    for layer in _layers_with_adapters(chunks).values():
         adapter = layer._modules[ADAPTER_NAME]
-        _add_delta(layer, adapter, +1.0)
+        row_scale = _merge(layer, adapter)
         del layer._modules[ADAPTER_NAME]
-        merged.append((layer, adapter))
+        merged.append((layer, adapter, row_scale))
     return merged
 
 
 def unmerge_adapters(merged: Merged) -> None:
-    """Undo `merge_adapters`: subtract each delta and re-attach the adapter to its layer."""
-    for layer, adapter in merged:
+    """Undo `merge_adapters`: undo DoRA's row scale, subtract each delta and re-attach the adapter to its layer."""
+    for layer, adapter, row_scale in merged:
         if ADAPTER_NAME in layer._modules:
             raise RuntimeError(f"{adapter.module_name} already has an adapter attached; it was not merged")
-        _add_delta(layer, adapter, -1.0)
+        _unmerge(layer, adapter, row_scale)
         layer.add_module(ADAPTER_NAME, adapter)

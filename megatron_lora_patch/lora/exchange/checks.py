@@ -1,4 +1,4 @@
-"""Checks that a PEFT adapter fits this model's adapters: its config (LoRA only, no DoRA / bias, valid
+"""Checks that a PEFT adapter fits this model's adapters: its config (LoRA, DoRA as the model's, no bias, valid
 patterns), the r and alpha each fused module gets, and the factor shapes; each refusal is one line
 naming the module and the setting that would fit (docs/architecture.md section 4, "Layouts")."""
 
@@ -11,21 +11,26 @@ from megatron_lora_patch.lora.config import LoraConfig
 from megatron_lora_patch.lora.exchange.names import Logical, PeftFormatError
 
 
-def refuse_dora(description: dict, where: str) -> None:
-    """One line when the adapters `description` describes use DoRA: the exchange with PEFT has no writer or
-    reader of their magnitudes yet (issue 37 item 4)."""
-    if description.get("dora"):
-        raise PeftFormatError(f"{where}: the adapters use DoRA (MEGATRON_LORA_DORA=1), whose exchange with PEFT "
-                              "(use_dora, lora_magnitude_vector) is not supported yet; train with MEGATRON_LORA_DORA=0")
+def check_dora(config: dict, description: dict, where: str) -> None:
+    """A PEFT adapter is DoRA (`use_dora`) exactly when the model's adapters are (`MEGATRON_LORA_DORA`), and
+    DoRA only on modules (peft's `target_parameters`, the experts, have no DoRA)."""
+    use_dora, dora = bool(config.get("use_dora")), bool(description.get("dora"))
+    if use_dora != dora:
+        raise PeftFormatError(
+            f"{where}: use_dora={str(use_dora).lower()} but the model's adapters {'' if dora else 'do not '}use DoRA;"
+            f" build them with MEGATRON_LORA_DORA={int(use_dora)}"
+        )
+    if use_dora and config.get("target_parameters"):
+        raise PeftFormatError(f"{where}: DoRA on target_parameters (MoE experts) is not supported (peft has none "
+                              "either); export the experts without DoRA or drop them from the adapter")
 
 
 def check_config(config: dict, description: dict, where: str) -> None:
-    refuse_dora(description, where)
     if config.get("peft_type") != "LORA":
         raise PeftFormatError(f"{where}: peft_type is {config.get('peft_type')!r}, only 'LORA' is supported")
-    for flag in ("use_dora", "fan_in_fan_out"):
-        if config.get(flag):
-            raise PeftFormatError(f"{where}: {flag}=true is not supported by Megatron LoRA adapters")
+    if config.get("fan_in_fan_out"):
+        raise PeftFormatError(f"{where}: fan_in_fan_out=true is not supported by Megatron LoRA adapters")
+    check_dora(config, description, where)
     if config.get("bias", "none") != "none":
         raise PeftFormatError(f"{where}: bias={config['bias']!r} is not supported (LoRA adapters have no bias)")
     rslora = bool(config.get("use_rslora"))

@@ -16,8 +16,12 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
 METADATA_NAME = "megatron_lora_patch.json"  # our own fields, kept out of PEFT's config
 LEGACY_METADATA_KEY = "megatron_lora_patch"  # where versions up to 0.x embedded them in the PEFT config
+# DoRA's magnitude as `get_peft_model_state_dict` saves it: `<module>.lora_magnitude_vector` (peft drops the
+# `.<adapter>.weight` of its DoraLinearLayer), one entry per output feature of the HF module.
+MAGNITUDE_KEY = "lora_magnitude_vector"
 
 Logical = Dict[str, Tuple[torch.Tensor, torch.Tensor]]  # canonical module name -> (A, B)
+Magnitudes = Dict[str, torch.Tensor]  # canonical module name -> DoRA's logical m (one entry per output row)
 
 
 class PeftFormatError(UsageError, ValueError):

@@ -15,6 +15,8 @@ onto this rank's adapters (any topology). Conversion, per transformer layer i
   kv_a_proj_with_mqa, kv_b_proj: as is (lora/exchange/mla.py)
 
 With `separate_projections` each projection gets its own A rows and B block (lora/adapters/projections.py).
+DoRA (`use_dora`): the magnitude `m` has one entry per output row of the Megatron layer (of the full layer, also
+for row-parallel ones), so it splits into the projections' `lora_magnitude_vector` by the rows B splits by.
 PEFT's scaling `lora_alpha / r` (`lora_alpha / sqrt(r)` with `use_rslora`) is the adapter's
 `s`; per-module ranks and alphas travel as PEFT's `rank_pattern` / `alpha_pattern` (keys are
 regexes matched against the end of a module path, the first matching key wins): export writes for each
@@ -22,7 +24,7 @@ differing path the shortest key all the paths it matches agree on (`pattern_keys
 (`gate_proj`), a longer suffix where kinds share a name (`experts.down_proj`, `shared_expert.down_proj`),
 or the full path where layers differ.
 Import refuses, naming the module, what the model's adapters cannot express (different A's
-on a shared-A fused layer, other shapes, missing or unknown modules, another r, alpha or rsLoRA, DoRA, biases).
+on a shared-A fused layer, other shapes, missing or unknown modules, another r, alpha, rsLoRA or DoRA, biases).
 `adapter_config.json` holds only PEFT's own fields (peft warns about any other key); this
 package's metadata (the model family) sits beside it in `megatron_lora_patch.json`.
 Expert adapters (MoE families): PEFT's `target_parameters` layout (lora/exchange/experts.py); fully
@@ -46,8 +48,10 @@ from megatron_lora_patch.lora.exchange import modules as peft_modules
 from megatron_lora_patch.lora.exchange.family_table import HfNames
 from megatron_lora_patch.lora.exchange.names import (
     LEGACY_METADATA_KEY,
+    MAGNITUDE_KEY,
     PEFT_PREFIX,
     Logical,
+    Magnitudes,
     PeftFormatError,
     names_for,
 )
@@ -100,12 +104,17 @@ def _parse(name: str) -> Tuple[int, str]:
 
 
 def to_peft(
-    logical: Logical, description: dict, family: str = "llama", full: Optional[Dict[str, torch.Tensor]] = None
+    logical: Logical,
+    description: dict,
+    family: str = "llama",
+    full: Optional[Dict[str, torch.Tensor]] = None,
+    magnitudes: Optional[Magnitudes] = None,
 ) -> Tuple[Dict[str, torch.Tensor], dict]:
     """PEFT tensors (sorted by name, contiguous) and adapter config (PEFT fields only) for the logical
-    adapters and the fully trained weights `full` (canonical module name -> logical weight)."""
+    adapters, the fully trained weights `full` (canonical module name -> logical weight) and, for DoRA
+    adapters, their logical magnitudes (canonical module name -> m)."""
     settings = LoraConfig.from_description(description)
-    checks.refuse_dora(description, "to_peft")
+    _check_magnitudes(logical, description, magnitudes or {})
     expert_logical = {name: pair for name, pair in logical.items() if peft_experts.is_expert(name)}
     tensors, expert_settings = peft_experts.to_peft(expert_logical, description, family)
     full_tensors, trained_fully = peft_modules.to_peft(full or {}, description)
@@ -113,7 +122,7 @@ def to_peft(
     dense = {name: pair for name, pair in logical.items() if name not in expert_logical}
     ranks: Dict[str, int] = {}
     alphas: Dict[str, float] = {}
-    targets = _dense_to_peft(dense, description, family, tensors, ranks, alphas)
+    targets = _dense_to_peft(dense, description, family, tensors, ranks, alphas, magnitudes or {})
     for path, (rank, alpha) in expert_settings.items():  # the patterns cover dense and expert paths
         ranks[path], alphas[path] = rank, alpha
     config = {
@@ -128,7 +137,7 @@ def to_peft(
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": settings.rslora,
-        "use_dora": False,
+        "use_dora": settings.dora,
         **trained_fully,  # modules_to_save, ensure_weight_tying
         "inference_mode": True,
         "base_model_name_or_path": None,
@@ -138,21 +147,45 @@ def to_peft(
     return dict(sorted(tensors.items())), config
 
 
+def _check_magnitudes(logical: Logical, description: dict, magnitudes: Magnitudes) -> None:
+    """DoRA adapters come with a magnitude for every module (none of them an expert: DoRA is refused there at
+    build, and peft has no DoRA on `target_parameters`); plain LoRA adapters with none."""
+    want = set(logical) if description.get("dora") else set()
+    if set(magnitudes) != want or any(peft_experts.is_expert(name) for name in magnitudes):
+        missing, extra = sorted(want - set(magnitudes)), sorted(set(magnitudes) - want)
+        raise PeftFormatError(
+            f"to_peft: DoRA={bool(description.get('dora'))} needs a magnitude for each adapted module (missing "
+            f"{missing[:3]}) and none elsewhere (extra {extra[:3]}); export the checkpoint the adapters were saved in"
+        )
+
+
 def _dense_to_peft(
-    logical: Logical, description: dict, family: str, tensors: Dict[str, torch.Tensor], ranks: dict, alphas: dict
+    logical: Logical,
+    description: dict,
+    family: str,
+    tensors: Dict[str, torch.Tensor],
+    ranks: dict,
+    alphas: dict,
+    magnitudes: Magnitudes,
 ) -> List[str]:
-    """Add the PEFT tensors, ranks and alphas (by HF module path) of non-expert adapters; returns `target_modules`."""
+    """Add the PEFT tensors (with DoRA's `magnitudes`, if any), ranks and alphas (by HF module path) of non-expert
+    adapters; returns `target_modules`."""
     names = names_for(family)
     settings = LoraConfig.from_description(description)
     layer_modules: Dict[str, set] = {}
     for name, (lora_a, lora_b) in logical.items():
         layer, module = _parse(name)
         pairs = projections.per_projection(lora_a, _split_b(module, lora_b, description), description)
-        for projection, (part_a, part_b) in zip(_projections(module, names, description["gated_linear_unit"]), pairs):
+        rows = _split_b(module, magnitudes[name], description) if name in magnitudes else [None] * len(pairs)
+        for projection, (part_a, part_b), magnitude in zip(
+            _projections(module, names, description["gated_linear_unit"]), pairs, rows
+        ):
             path = f"{names.layers}.{layer}.{projection}"
             # A copy per projection: PEFT has one A per module, safetensors refuses shared storage.
             tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"] = part_a.clone().contiguous()
             tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = part_b.contiguous()
+            if magnitude is not None:
+                tensors[f"{PEFT_PREFIX}{path}.{MAGNITUDE_KEY}"] = magnitude.contiguous()
             ranks[path], alphas[path] = int(part_a.shape[0]), float(settings.alpha_for(name))
             layer_modules.setdefault(projection, set()).add(layer)
     every_layer = set(range(description["num_layers"]))
@@ -194,13 +227,17 @@ def from_peft(
     expected: Iterable[str],
     where: str = "PEFT adapter",
     family: Optional[str] = None,
+    magnitudes: Optional[Magnitudes] = None,
 ) -> Logical:
     """The logical adapters of the modules named in `expected`, from PEFT tensors and config
     (exact inverse of `to_peft`).
 
     `family`: from `megatron_lora_patch.json` (`read`); None reads the key older exports embedded in the config.
+    `magnitudes`: receives DoRA's logical m per module (a DoRA adapter's import must pass a dict).
     """
     checks.check_config(config, description, where)
+    if config.get("use_dora") and magnitudes is None:
+        raise PeftFormatError(f"{where}: a DoRA adapter (use_dora=true) needs from_peft(..., magnitudes={{}})")
     if family is None:
         family = (config.get(LEGACY_METADATA_KEY) or {}).get("family", "llama")
     names = names_for(family)
@@ -222,12 +259,35 @@ def from_peft(
         for path in paths
         for factor in ("A", "B")
     }
+    if config.get("use_dora"):
+        known |= {f"{PEFT_PREFIX}{path}.{MAGNITUDE_KEY}" for _, paths in layer_paths.values() for path in paths}
     for key in tensors:
         if key not in known | expert_keys:
             raise PeftFormatError(f"{where}: {key} is not a module this model adapts (unsupported or not targeted)")
     for name, (module, paths) in layer_paths.items():
         logical[name] = _dense_from_peft(tensors, config, description, name, module, paths, where)
+        if config.get("use_dora"):
+            magnitudes[name] = _magnitude_from_peft(tensors, name, module, paths, description, where)
     return logical
+
+
+def _magnitude_from_peft(
+    tensors: Dict[str, torch.Tensor], name: str, module: str, paths: List[str], description: dict, where: str
+) -> torch.Tensor:
+    """DoRA's logical m of Megatron `name`: its projections' `lora_magnitude_vector`s joined by the rows of B."""
+    parts = []
+    for path in paths:
+        key = f"{PEFT_PREFIX}{path}.{MAGNITUDE_KEY}"
+        if key not in tensors or tensors[key].dim() != 1:
+            raise PeftFormatError(f"{where}: use_dora=true but {key} is missing or not a vector (needed for Megatron "
+                                  f"{name}); export the adapter again with peft's save_pretrained")
+        parts.append(tensors[key])
+    try:
+        return _join_b(module, parts, description)
+    except (RuntimeError, ValueError):
+        raise PeftFormatError(
+            f"{where}: {MAGNITUDE_KEY} lengths {[len(m) for m in parts]} of {paths} do not fit Megatron {name}"
+        ) from None
 
 
 def _dense_from_peft(

@@ -6,6 +6,8 @@ Megatron's loader returns the full logical tensors, stacked over layers (unless 
 the fully trained weights (`modules_to_save`), and writes the PEFT files.
 `import_peft(chunks, peft_dir)` runs on every rank of any topology and copies each
 rank's slice of the logical adapters and fully trained weights into its parameters.
+DoRA's magnitude `m` travels with its adapter both ways and is loaded as is (never re-initialised from the base
+weight: import after the base weights are loaded, as `magnitudes.reset_magnitudes` would overwrite it).
 """
 
 from __future__ import annotations
@@ -19,23 +21,24 @@ import torch
 
 from megatron_lora_patch.lora import inventory
 from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
+from megatron_lora_patch.lora.adapters.dora import MAGNITUDE
 from megatron_lora_patch.lora.adapters.layouts import shard
 from megatron_lora_patch.lora.checkpoints import checkpoint, staging
 from megatron_lora_patch.lora.checkpoints import source as checkpoint_source
 from megatron_lora_patch.lora.exchange import checks, families, files, peft
 from megatron_lora_patch.lora.exchange import modules as peft_modules
-from megatron_lora_patch.lora.exchange.names import Logical, PeftFormatError
+from megatron_lora_patch.lora.exchange.names import Logical, Magnitudes, PeftFormatError
 from megatron_lora_patch.lora.layers import trained_fully
 
-_STACKED_KEY = re.compile(r"^decoder\.layers\.(?P<module>.+?)\.lora\.(?P<factor>[AB])$")
+_STACKED_KEY = re.compile(r"^decoder\.layers\.(?P<module>.+?)\.lora\.(?P<factor>[ABm])$")
 _EXPERTS_KEY = "mlp.experts.experts."
 _LAYER_INDEX = re.compile(r"^(\d+)\.(.+)$")
 
 
-def logical_from_checkpoint(directory: str) -> Tuple[dict, Logical, Dict[str, torch.Tensor]]:
+def logical_from_checkpoint(directory: str) -> Tuple[dict, Logical, Dict[str, torch.Tensor], Magnitudes]:
     """(description, canonical module name -> logical (A, B), canonical module name -> fully trained
-    logical weight) of a checkpoint with adapters (adapter-only, a Megatron-LM iteration or `--save`
-    directory; see `checkpoint_source`)."""
+    logical weight, canonical module name -> DoRA's logical m) of a checkpoint with adapters (adapter-only, a
+    Megatron-LM iteration or `--save` directory; see `checkpoint_source`)."""
     description, plain = checkpoint_source.adapter_tensors(directory)
     full_keys = trained_fully.checkpoint_keys(description)
     full = {full_keys[key]: plain.pop(key) for key in list(plain) if key in full_keys}
@@ -53,7 +56,8 @@ def logical_from_checkpoint(directory: str) -> Tuple[dict, Logical, Dict[str, to
                     factors.setdefault(name, {})[factor] = value.clone()
             else:
                 factors.setdefault(f"decoder.layers.{layer}.{module}", {})[factor] = per_layer.clone()
-    return description, {name: (pair["A"], pair["B"]) for name, pair in sorted(factors.items())}, full
+    logical = {name: (pair["A"], pair["B"]) for name, pair in sorted(factors.items())}
+    return description, logical, full, {name: pair[MAGNITUDE] for name, pair in factors.items() if MAGNITUDE in pair}
 
 
 def _per_layer(module: str, tensor: torch.Tensor) -> Iterable[Tuple[int, str, torch.Tensor]]:
@@ -104,13 +108,12 @@ def export_peft(
     refused unless `overwrite`, and replaced only once the new adapter is complete.
     """
     recorded = checkpoint.read_description(checkpoint_source.resolve_save_dir(checkpoint_dir), names.checkpoint)
-    checks.refuse_dora(recorded, f"{names.checkpoint} {checkpoint_dir}")
     family = families.resolve(recorded, family, names.family)
     _check_apart(checkpoint_dir, out_dir, names)  # first: "pass --force" would destroy the checkpoint
     staging.check_target(out_dir, names.out, names.overwrite, overwrite)
     with staging.staged(out_dir, names.out) as partial:
-        description, logical, full = logical_from_checkpoint(checkpoint_dir)
-        tensors, config = peft.to_peft(logical, description, family, full)
+        description, logical, full, magnitudes = logical_from_checkpoint(checkpoint_dir)
+        tensors, config = peft.to_peft(logical, description, family, full, magnitudes)
         _write(partial, tensors, config, family, out_dir, names)
     return tensors
 
@@ -169,13 +172,29 @@ def _local_slices(
     return shard(lora_a, 1, rank, world), lora_b
 
 
-def load_logical(chunks: Iterable[torch.nn.Module], logical: Logical) -> None:
-    """Copy this rank's slices of `logical` (canonical name -> (A, B)) into its adapters."""
+def load_logical(chunks: Iterable[torch.nn.Module], logical: Logical, magnitudes: Optional[Magnitudes] = None) -> None:
+    """Copy this rank's slices of `logical` (canonical name -> (A, B)) and of DoRA's `magnitudes` (canonical
+    name -> m: sharded like B's rows on a column-parallel layer, replicated on a row-parallel one) into its
+    adapters."""
     with torch.no_grad():
         for name, adapter in inventory.adapters_of(chunks).items():
             local_a, local_b = _local_slices(adapter, *logical[name])
             adapter.A.copy_(local_a)
             adapter.B.copy_(local_b)
+            if adapter.magnitude is not None:
+                adapter.m.copy_(_local_magnitude(adapter, magnitudes[name], name))
+
+
+def _local_magnitude(adapter: LoraAdapter, magnitude: torch.Tensor, name: str) -> torch.Tensor:
+    """This rank's m from the logical one (one entry per output row of the full layer)."""
+    rank, world = _tp_position(adapter)
+    rows = adapter.B.shape[0] * (world if adapter.parallel_mode == "column" else 1)
+    if tuple(magnitude.shape) != (rows,):
+        raise PeftFormatError(f"Megatron {name} needs a magnitude of {rows} rows, the adapter "
+                              f"gives {tuple(magnitude.shape)}")
+    if adapter.parallel_mode == "column":
+        return shard(magnitude, 0, rank, world, getattr(adapter.B, "partition_stride", 1))
+    return magnitude
 
 
 def load_trained_fully(model: torch.nn.Module, full: Dict[str, torch.Tensor], where: str) -> None:
@@ -204,9 +223,10 @@ def import_peft(chunks: Iterable[torch.nn.Module], peft_dir: str) -> None:
     if family == "llama" and description.get("multi_latent_attention"):
         family = "deepseek_v3"  # an adapter peft wrote itself names no family; the one with MLA's names is this
     tensors, full = peft_modules.split(tensors, config, description, peft_dir, PeftFormatError)
-    logical = peft.from_peft(tensors, config, description, _all_adapter_names(local), where=peft_dir, family=family)
+    magnitudes: Magnitudes = {}
+    logical = peft.from_peft(tensors, config, description, _all_adapter_names(local), peft_dir, family, magnitudes)
     checks.check_shapes(
         {name: logical[name] for name in local}, {name: _logical_shapes(a) for name, a in local.items()}, peft_dir
     )
-    load_logical(chunks, logical)
+    load_logical(chunks, logical, magnitudes)
     load_trained_fully(inventory.single_model(chunks), full, peft_dir)

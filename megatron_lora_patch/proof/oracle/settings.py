@@ -129,8 +129,20 @@ def check_topology(topology: Topology, settings: OracleSettings) -> TinyGPTSpec:
         raise OracleError(
             f"--layout-invariant needs a dp dividing {LANES} (1, 2, 4, 8); {topology} has dp{topology.dp}"
         )
+    _check_dora(spec, topology, settings)
     check_topology_fits(spec, topology)
     return spec
+
+
+def _check_dora(spec: TinyGPTSpec, topology: Topology, settings: OracleSettings) -> None:
+    """DoRA is refused on MoE experts at build (lora/layers/dora_scope.py): say so before any world, unless the
+    options exclude the experts."""
+    options = dict(settings.lora_options)
+    if options.get("dora") and spec.is_moe and not any("expert" in pattern for pattern in options.get("exclude", ())):
+        raise OracleError(
+            f"DoRA on {topology} (--model {spec.family}): DoRA on MoE experts is not supported; run DoRA on the dense "
+            "model (topologies without ep / etp) or exclude the experts (exclude=('*experts*',))"
+        )
 
 
 def _not_layout_invariant(spec: TinyGPTSpec) -> str:
