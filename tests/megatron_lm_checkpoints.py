@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -51,8 +52,9 @@ def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _initial_adapter(key: str, shape: tuple) -> torch.Tensor:
-    """The logical init of a stacked adapter tensor (`lora.init`, default configuration at LORA_RANK):
-    axis 0 the layer, for experts axis 1 the expert."""
+    """The logical init of an adapter tensor (`lora.init`, default configuration at LORA_RANK). A stacked key
+    (`decoder.layers.<module>`) has the layer on axis 0; a key naming its layer (a stack of unlike layers, as
+    DeepSeek's leading dense layers make) has none. Expert tensors have the expert on the next axis."""
     module, factor = key.rsplit(".lora.", 1)
     config = LoraConfig(rank=LORA_RANK)
     in_features, out_features = (shape[-1], 1) if factor == "A" else (1, shape[-2])
@@ -60,16 +62,18 @@ def _initial_adapter(key: str, shape: tuple) -> torch.Tensor:
     def init(name, expert):
         return logical_factors(config, name, expert, in_features, out_features)[0 if factor == "A" else 1]
 
-    layers = []
-    for layer in range(shape[0]):
-        name = module.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
-        if len(shape) == 4:  # the stacked key's expert path differs between versions; the name does not
-            linear = name.rsplit(".", 1)[1]
-            experts = [f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{linear}" for e in range(shape[1])]
-            layers.append(torch.stack([init(expert, e) for e, expert in enumerate(experts)]))
-        else:
-            layers.append(init(name, None))
-    return torch.stack(layers)
+    def one_layer(name: str, experts: bool) -> torch.Tensor:
+        if not experts:
+            return init(name, None)
+        # the stacked key's expert path differs between versions; the layer and the linear's name do not
+        layer, linear = name.split(".")[2], name.rsplit(".", 1)[1]
+        names = [f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{linear}" for e in range(shape[-3])]
+        return torch.stack([init(expert, e) for e, expert in enumerate(names)])
+
+    if re.match(r"decoder\.layers\.\d+\.", module):
+        return one_layer(module, experts=len(shape) == 3)
+    layers = [module.replace("decoder.layers.", f"decoder.layers.{layer}.", 1) for layer in range(shape[0])]
+    return torch.stack([one_layer(name, experts=len(shape) == 4) for name in layers])
 
 
 def _deltas(tensors: dict) -> dict:

@@ -132,15 +132,17 @@ def _python_without_the_package(root: pathlib.Path) -> pathlib.Path:
     return python
 
 
-def _run(command: list, env: dict, cwd: pathlib.Path, overrides: tuple = ()) -> subprocess.CompletedProcess:
-    """`command` with the tiny model's Megatron-LM arguments (then `overrides`, which replace them), in a clean
-    environment plus `env`."""
+def _run(
+    command: list, env: dict, cwd: pathlib.Path, overrides: tuple = (), model: tuple = tuple(MODEL_ARGS)
+) -> subprocess.CompletedProcess:
+    """`command` with the model's Megatron-LM arguments (`model`: the tiny GPT's unless given; then `overrides`,
+    which replace them), in a clean environment plus `env`."""
     environ = clean_environ(CUDA_DEVICE_MAX_CONNECTIONS="1", **env)
     train = TRAIN_ARGS
     if "--data-path" in command + list(overrides):  # documents instead of mock data (`sft_data_args`)
         train = [argument for argument in TRAIN_ARGS if argument != "--mock-data"]
     return subprocess.run(
-        command + MODEL_ARGS + HOST_ARGS + train + list(overrides),
+        command + list(model) + HOST_ARGS + train + list(overrides),
         env=environ,
         capture_output=True,
         text=True,
@@ -150,12 +152,19 @@ def _run(command: list, env: dict, cwd: pathlib.Path, overrides: tuple = ()) -> 
 
 
 def _launch(
-    python, ranks: int, args: list, env: dict, record: pathlib.Path, overrides: tuple = ()
+    python,
+    ranks: int,
+    args: list,
+    env: dict,
+    record: pathlib.Path,
+    overrides: tuple = (),
+    model: tuple = tuple(MODEL_ARGS),
 ) -> subprocess.CompletedProcess:
-    """`torchrun` the launch script; each loss-holding rank records its microbatch losses in `record`."""
+    """`torchrun` the launch script (`model`: the model's arguments, the tiny GPT's unless given); each loss-holding
+    rank records its microbatch losses in `record`."""
     record.mkdir()
     command = [str(python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(SCRIPT)]
-    done = _run(command + args, {**env, "LOOP_RECORD_DIR": str(record)}, record.parent, overrides)
+    done = _run(command + args, {**env, "LOOP_RECORD_DIR": str(record)}, record.parent, overrides, model)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return done
 

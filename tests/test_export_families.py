@@ -98,7 +98,9 @@ def test_exported_files_follow_the_umask_like_save_pretrained(saved, umask):
     ({"position_embedding_type": "mrope"}, "llama", "mrope position embeddings (llama: rope)"),
     ({"multi_latent_attention": True}, "llama", "multi-latent attention (llama: q / k / v)"),
     ({"qk_layernorm": True}, "deepseek_v3", "q / k / v (GQA) attention (deepseek_v3: multi-latent)"),
-    ({"multi_latent_attention": True}, "deepseek_v3", "no q / k layernorm (deepseek_v3: with)"),  # latent norms
+    ({"multi_latent_attention": True}, "deepseek_v3",  # q_lora_rank unset on the local layers: no latent norms
+     "no latent layernorms (deepseek_v3: q_a_layernorm / kv_a_layernorm; Megatron-Core's local layers build none "
+     "when q_lora_rank is unset, Transformer Engine's layers do)"),
 ])
 def test_each_mismatch_is_named_with_the_family_that_fits(change, family, phrase):
     with pytest.raises(PeftFormatError, match="cannot represent") as refused:

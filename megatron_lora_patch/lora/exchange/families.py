@@ -58,10 +58,15 @@ def mismatches(description: dict, name: str) -> List[str]:
         found.append(f"a non-gated MLP ({name}: gated, e.g. --swiglu)")
     if description.get("activation", "silu") not in HF_ACTIVATIONS:
         found.append(f"activation {description['activation']} (transformers: {', '.join(HF_ACTIVATIONS)})")
-    if description.get("qk_layernorm", family.qk_layernorm) != family.qk_layernorm:
+    mla = _has_mla(description)
+    if mla and family.names.mla is not None and description.get("qk_layernorm") is False:
+        # transformers' DeepseekV3 always normalizes the latents; Megatron-Core's local layers omit them when
+        # q_lora_rank is unset (their norm check wants Transformer Engine's fused norm + linear)
+        found.append(f"no latent layernorms ({name}: q_a_layernorm / kv_a_layernorm; Megatron-Core's local layers "
+                     "build none when q_lora_rank is unset, Transformer Engine's layers do)")
+    elif description.get("qk_layernorm", family.qk_layernorm) != family.qk_layernorm:
         found.append(f"{'' if description['qk_layernorm'] else 'no '}q / k layernorm "
                      f"({name}: {'with' if family.qk_layernorm else 'without'})")
-    mla = _has_mla(description)
     if mla != (family.names.mla is not None):
         found.append(f"{'multi-latent' if mla else 'q / k / v (GQA)'} attention "
                      f"({name}: {'multi-latent' if family.names.mla else 'q / k / v'})")
