@@ -201,7 +201,7 @@ def _step(model, batch) -> None:
 
 
 def step_times(rank: int, world: int, hidden: int, seq: int, steps: int) -> dict:
-    """Median step time and measured FLOPs of LoRA vs frozen base, timed alternately."""
+    """Median step time and measured FLOPs of LoRA vs frozen base and DoRA vs LoRA, timed alternately."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from megatron_lora_patch.lora import config as lora_config
@@ -225,8 +225,10 @@ def step_times(rank: int, world: int, hidden: int, seq: int, steps: int) -> dict
     with Topology().world():
         import megatron_lora_patch
 
-        lora_config.set_active(lora_config.LoraConfig(rank=16))
-        models = {"lora": build_model(spec)[0]}
+        models = {}
+        for name, dora in (("lora", False), ("dora", True)):  # DoRA (issue 37 item 6): the same adapters plus m
+            lora_config.set_active(lora_config.LoraConfig(rank=16, dora=dora))
+            models[name] = build_model(spec)[0]
         lora_config.set_active(None)
         megatron_lora_patch.revert(["lora_linear"])  # build the frozen base without adapters
         models["frozen"] = build_model(spec)[0]
@@ -294,9 +296,10 @@ def main() -> None:
         f"seq {spec.seq_length}, "
         f"batch 1; LoRA rank 16 on qkv, proj, fc1, fc2; medians of {options.steps} alternating steps"
     )
-    for name in ("frozen", "lora"):
+    for name in ("frozen", "lora", "dora"):
         print(f"  {name:7} {median[name] * 1e3:9.1f} ms   {flops[name] / 1e9:8.3f} GFLOP")
     print(f"  LoRA / frozen: time {median['lora'] / median['frozen']:.3f}, FLOPs {flops['lora'] / flops['frozen']:.3f}")
+    print(f"  DoRA / LoRA:   time {median['dora'] / median['lora']:.3f}, FLOPs {flops['dora'] / flops['lora']:.3f}")
 
 
 if __name__ == "__main__":

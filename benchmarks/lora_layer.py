@@ -47,9 +47,9 @@ CLOCKS = (("thread", time.thread_time), ("process", time.process_time), ("wall",
 
 
 def build_pair(hidden: int, rank: int, tp: int, sequence_parallel: bool, sp_input: str, ffn: int = 0,
-               dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+               dtype: torch.dtype = torch.float32, dora: bool = False) -> torch.nn.Module:
     """The frozen MLP pair h -> ffn -> h (ffn 0: 4h) over `tp` ranks, weights in `dtype`, on the CPU; with
-    `rank` > 0 the `lora_linear` patch's adapters on both."""
+    `rank` > 0 the `lora_linear` patch's adapters on both (DoRA ones with `dora`)."""
     from megatron.core import parallel_state
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -70,7 +70,8 @@ def build_pair(hidden: int, rank: int, tp: int, sequence_parallel: bool, sp_inpu
     for param in pair.parameters():
         param.requires_grad_(False)
     if rank:
-        attach_adapters(pair, LoraConfig(rank=rank, alpha=2.0 * rank, b_init="nonzero", sp_input=sp_input))
+        attach_adapters(pair, LoraConfig(rank=rank, alpha=2.0 * rank, b_init="nonzero", sp_input=sp_input,
+                                             dora=dora))
     return pair
 
 
