@@ -11,7 +11,8 @@ adapters. Negative controls swap the CP attention for broken variants: no K/V ga
 order, and a K/V gather whose backward does not sum other ranks' key grads.
 
 Each world size is launched once (`runner.run_jobs`): the default part is one world-1
-and one cp2 launch.
+and one cp2 launch. One more cp2 launch (tests/cp_mask_worker.py) checks the core attention alone with a given
+`[b, 1, s, s]` mask (documents packed in a row, `--reset-attention-mask`) against its definition.
 """
 
 from __future__ import annotations
