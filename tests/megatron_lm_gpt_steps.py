@@ -8,7 +8,8 @@ contract and NullTokenizer. Nothing in it knows about LoRA: the plugin comes in 
 the environment.
 
 For the tests, `LOOP_RECORD_DIR` names a directory where each rank holding the loss (last
-pipeline stage, TP rank 0) writes `dp<rank>.json`: its per-microbatch (loss sum, tokens).
+pipeline stage, TP rank 0, CP rank 0) writes `dp<rank>.json`: its per-microbatch (loss sum, tokens), summed
+over the CP group.
 """
 
 from __future__ import annotations
@@ -84,14 +85,25 @@ def get_batch(data_iterator, vp_stage=None):
     return batch["tokens"], batch["labels"], batch["loss_mask"], batch.get("attention_mask"), batch["position_ids"]
 
 
+def _record(loss: torch.Tensor, num_tokens: torch.Tensor) -> None:
+    """Keep the microbatch's (loss sum, tokens) for `LOOP_RECORD_DIR`, summed over the CP group (each CP rank holds
+    a slice of the sequence); TP rank 0 of CP rank 0 keeps it. The training itself reads neither."""
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        return
+    totals = torch.stack([loss.detach().double(), num_tokens.double()]).cpu()
+    if parallel_state.get_context_parallel_world_size() > 1:
+        torch.distributed.all_reduce(totals, group=parallel_state.get_context_parallel_group())
+    if parallel_state.get_context_parallel_rank() == 0:
+        RECORD.append([totals[0].item(), int(totals[1])])
+
+
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model=None):
     """Summed masked loss, token count and report: the per-token contract of `pretrain_gpt.py`."""
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
-    if parallel_state.get_tensor_model_parallel_rank() == 0:
-        RECORD.append([loss.item(), int(num_tokens)])
+    _record(loss, num_tokens)
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
@@ -137,19 +149,32 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     return BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples, built_on_this_rank, config).build()
 
 
-def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    """GPTModel with the local (non-TE) layer spec (Megatron-LM 0.17 / 0.18 take a provider)."""
-    from megatron.core.models.gpt import GPTModel
+def layer_spec(args):
+    """Megatron's local (non-TE) GPT layer spec; with `--context-parallel-size` > 1 its core attention is the
+    testbed's `ContextParallelDotProductAttention`, the CPU stand-in for Transformer Engine's attention (Megatron's
+    local `DotProductAttention` refuses CP; on GPUs users run TE's). It applies the `[b, 1, s/cp, s]` attention
+    mask `get_batch_on_this_cp_rank` leaves (`--reset-attention-mask`: the document boundaries) to the CP-gathered
+    keys."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, normalization=args.normalization)
+    if args.context_parallel_size > 1:
+        from megatron_lora_patch.proof.testbed.cp_attention import ContextParallelDotProductAttention
+
+        spec.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention
+    return spec
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    """GPTModel with the local (non-TE) layer spec of `layer_spec` (Megatron-LM 0.17 / 0.18 take a provider)."""
+    from megatron.core.models.gpt import GPTModel
     from megatron.training.arguments import core_transformer_config_from_args
 
     args = get_args()
     config = config or core_transformer_config_from_args(args)
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(
-            args.num_experts, args.moe_grouped_gemm, normalization=args.normalization
-        ),
+        transformer_layer_spec=layer_spec(args),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -179,9 +204,10 @@ def main() -> None:
 
         args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
         if hasattr(argument_utils, "gpt_config_from_args"):  # 0.19+: the model config builds the model
-            full_config = argument_utils.pretrain_cfg_container_from_args(
-                args, argument_utils.gpt_config_from_args(args)
-            )
+            model_config = argument_utils.gpt_config_from_args(args)
+            if args.context_parallel_size > 1:  # otherwise the builder's own (local) spec
+                model_config.transformer_layer_spec = layer_spec(args)
+            full_config = argument_utils.pretrain_cfg_container_from_args(args, model_config)
             pretrain(full_config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
         else:
             full_config = argument_utils.pretrain_cfg_container_from_args(args)

@@ -104,6 +104,8 @@ TOPOLOGIES = {  # name -> (extra arguments, ranks, data-parallel size)
     "tp2": (["--tensor-model-parallel-size", "2"], 2, 1),
     "tp2-sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, 1),
     "pp2": (["--pipeline-model-parallel-size", "2"], 2, 1),
+    # the testbed's CP core attention stands in for TE's (`megatron_lm_gpt_steps.layer_spec`)
+    "cp2": (["--context-parallel-size", "2"], 2, 1),
     # with the overlap options GPU users run it with (the adapters' param gather: lora/training/param_sync.py)
     "dp2-distopt": (["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], 2, 2),
 }

@@ -11,7 +11,8 @@ adapters. Negative controls swap the CP attention for broken variants: no K/V ga
 order, and a K/V gather whose backward does not sum other ranks' key grads.
 
 Each world size is launched once (`runner.run_jobs`): the default part is one world-1
-and one cp2 launch.
+and one cp2 launch. One more cp2 launch (tests/cp_mask_worker.py) checks the core attention alone with a given
+`[b, 1, s, s]` mask (documents packed in a row, `--reset-attention-mask`) against its definition.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ import functools
 
 import pytest
 import torch
+from cp_mask_worker import document_mask, masked_attention_rank, masked_inputs
 from error_metrics import assert_steps_within, first_step, relative_l2_error
 
 from megatron_lora_patch.proof.oracle.metrics import compare_results
 from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings
+from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 from megatron_lora_patch.proof.testbed.runner import Job, canonical_result, run_jobs
 
@@ -254,6 +257,49 @@ def test_broken_cp_mechanism_is_detected(default_runs, variant):
         assert forward <= FORWARD_TOLERANCE, forward
     else:
         assert forward > DETECTION_FACTOR * FORWARD_TOLERANCE, forward
+
+
+# ---------------------------------------------------------------- a given attention mask (document boundaries)
+
+
+MASK_SEED = 7
+
+
+def _masked_attention_definition(inputs: dict, mask: torch.Tensor) -> tuple:
+    """The definition: masked softmax attention over the whole sequence (GQA: each KV head serves its query
+    heads); returns the output [s, b, heads * dim] and the q / k / v grads of sum(output * weight)."""
+    query, key, value = (inputs[name].clone().requires_grad_() for name in ("query", "key", "value"))
+    repeat = query.size(2) // key.size(2)
+    q = query.permute(1, 2, 0, 3)  # [b, heads, s, dim]
+    k, v = (tensor.repeat_interleave(repeat, dim=2).permute(1, 2, 0, 3) for tensor in (key, value))
+    scores = (q @ k.transpose(-1, -2)) / query.size(-1) ** 0.5
+    probabilities = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+    output = (probabilities @ v).permute(2, 0, 1, 3).flatten(2)
+    (output * inputs["weight"]).sum().backward()
+    return output.detach(), {"query": query.grad, "key": key.grad, "value": value.grad}
+
+
+def _assembled(records: list, field: str) -> torch.Tensor:
+    """A per-rank tensor of the CP ranks' query rows put back in global sequence order."""
+    first = records[0][field]
+    full = torch.full((sum(len(record["positions"]) for record in records), *first.shape[1:]), float("nan"))
+    for record in records:
+        full[record["positions"]] = record[field]
+    return full
+
+
+def test_cp2_attention_applies_a_given_mask_to_the_gathered_keys():
+    """The `[b, 1, s/cp, s]` mask `get_batch_on_this_cp_rank` leaves (`--reset-attention-mask`: documents packed in
+    a row, per sample) is applied to the CP-gathered keys: output and q / k / v grads equal the definition's. The
+    control: the same ranks without the mask (causal only) are far from it."""
+    records = run_world(masked_attention_rank, 2, args=(MASK_SEED,), name="cp2", warnings="ignore")
+    inputs = masked_inputs(MASK_SEED)
+    output, grads = _masked_attention_definition(inputs, document_mask())
+    assert relative_l2_error(_assembled(records, "output"), output) <= FORWARD_TOLERANCE
+    for name, grad in grads.items():
+        per_rank = [{"positions": record["positions"], name: record["grads"][name]} for record in records]
+        assert relative_l2_error(_assembled(per_rank, name), grad) <= TOLERANCE, name
+    assert relative_l2_error(_assembled(records, "unmasked"), output) > DETECTION_FACTOR * FORWARD_TOLERANCE
 
 
 # ---------------------------------------------------------------- 4-rank topologies
