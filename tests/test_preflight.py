@@ -164,7 +164,7 @@ def test_bad_input_is_one_usage_error(user_environ, arguments, overrides, messag
 
 def test_too_large_for_this_machine_says_so_and_offers_fewer_layers(user_environ):
     """Never a silent pass: a world-1 model over the memory limit stops with the smallest comparison that fits."""
-    from megatron_lora_patch.proof.testbed.args_model import estimate_parameters
+    from megatron_lora_patch.proof.testbed.args_cuts import estimate_parameters
 
     full = preflight.make_plan(options([*MOE, "--expert-model-parallel-size", "2"], layers=4))
     minimal = preflight.make_plan(options([*MOE, "--expert-model-parallel-size", "2"]))

@@ -11,16 +11,27 @@ from megatron_lora_patch.cli import checks
 from megatron_lora_patch.runtime.errors import UsageError, one_line
 
 DEFAULT_MICROBATCHES = 2
+#: The CPU time budget: the world-1 reference's parameters, in millions (a few minutes on a laptop).
+DEFAULT_MAX_PARAMETERS_M = 50.0
 
 
 def _positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (argparse prints the usage line and exits 2 otherwise)."""
+    return _positive(text, int, "integer")
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    return _positive(text, float, "number")
+
+
+def _positive(text: str, cast, what: str):
     try:
-        value = int(text)
+        value = cast(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a positive {what}, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive {what}, got {text!r}")
     return value
 
 
@@ -51,6 +62,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--mutation", help="re-introduce one of the oracle's known bugs (the preflight must then FAIL)")
     parser.add_argument(
         "--max-memory-gib", type=float, help="memory the world-1 reference may use (default: available RAM)"
+    )
+    parser.add_argument(
+        "--max-parameters",
+        type=_positive_float,
+        default=DEFAULT_MAX_PARAMETERS_M,
+        metavar="MILLIONS",
+        help="the CPU time budget: a model over it (or over memory) is cut, experts, vocabulary, then widths "
+        f"(default {DEFAULT_MAX_PARAMETERS_M:g})",
     )
     parser.add_argument(
         "--timeout", default="600", help=f"seconds per run before a world is killed (at most {checks.MAX_TIMEOUT_S})"
