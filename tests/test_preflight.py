@@ -246,6 +246,18 @@ def test_data_path_feeds_both_runs_the_first_tokens_and_passes(user_environ, tmp
     assert_passed(preflight_run.run_plan(plan), "tp2-sp", ["dense"])
 
 
+def test_the_budget_cut_keeps_the_vocabulary_of_real_data(user_environ, tmp_path):
+    """Tokens of a --data-path need the user's vocabulary: the cut narrows the widths instead. Control: the same
+    model on mock data gets its vocabulary cut."""
+    wide = [*DENSE[: DENSE.index("--vocab-size")], "--vocab-size", "4096", *TP2_SP]
+    real = preflight.make_plan(options(_with_data(wide, _corpus(tmp_path)), max_parameters=0.1))
+    assert real.spec.padded_vocab_size == 4096 and real.spec.cuts and "--vocab-size" not in dict(
+        (option, run) for option, _, run in real.spec.cuts
+    )
+    mock = preflight.make_plan(options(wide, max_parameters=0.3))
+    assert mock.spec.cuts == (("--vocab-size", 4096, 2048),)  # only as far as needed: no width cut
+
+
 def _first_tokens(dataset, count: int):
     """The dataset's first `count` token ids, sequences in order (independent of testbed.data.read_corpus)."""
     import numpy
