@@ -39,7 +39,7 @@ DEEPSEEK_V3 = [
 ]
 TINY = dict(seq_length=16, max_parameters=0.5)  # 0.5M parameters: the cut model trains in seconds
 CUT_LINE = (
-    "  cut to fit memory and --max-parameters: --num-experts 256 -> 16, --vocab-size 129280 -> 256, "
+    "  cut to fit memory / --max-parameters: --num-experts 256 -> 16, --vocab-size 129280 -> 256, "
     "--hidden-size 7168 -> 134, --ffn-hidden-size 18432 -> 346, --moe-ffn-hidden-size 2048 -> 38, "
     "--moe-shared-expert-intermediate-size 2048 -> 38, --q-lora-rank 1536 -> 28, --kv-lora-rank 512 -> 16, "
     "--qk-head-dim 128 -> 16, --qk-pos-emb-head-dim 64 -> 16, --v-head-dim 128 -> 16, --num-attention-heads 128 -> 2"
@@ -60,7 +60,8 @@ def test_deepseek_v3_flags_run_cut_to_fit_and_a_local_expert_bias_fails(user_env
 
 def test_the_cut_keeps_the_structure_and_stops_as_soon_as_it_fits(user_environ):
     """A budget the expert cut alone meets cuts only experts, to the most that fit; the routing stays valid."""
-    uncut = preflight.make_plan(options(DEEPSEEK_V3, max_parameters=1e6, max_memory_gib=1e4))
+    # no --max-parameters (the default): the widths stay where memory allows
+    uncut = preflight.make_plan(options(DEEPSEEK_V3, max_parameters=None, max_memory_gib=1e4))
     assert uncut.spec.cuts == () and uncut.parameters > 5e9  # two layers at DeepSeek's widths: nothing cut
     budget = uncut.parameters - 100 * _expert_parameters(uncut.spec.args)  # room for 156 experts, not 160
     plan = preflight.make_plan(options(DEEPSEEK_V3, max_parameters=budget / 1e6, max_memory_gib=1e4))

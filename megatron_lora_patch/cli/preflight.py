@@ -11,8 +11,6 @@ from megatron_lora_patch.cli import checks
 from megatron_lora_patch.runtime.errors import UsageError, one_line
 
 DEFAULT_MICROBATCHES = 2
-#: The CPU time budget: the world-1 reference's parameters, in millions (a few minutes on a laptop).
-DEFAULT_MAX_PARAMETERS_M = 50.0
 
 
 def _positive_int(text: str) -> int:
@@ -66,10 +64,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-parameters",
         type=_positive_float,
-        default=DEFAULT_MAX_PARAMETERS_M,
         metavar="MILLIONS",
-        help="the CPU time budget: a model over it (or over memory) is cut, experts, vocabulary, then widths "
-        f"(default {DEFAULT_MAX_PARAMETERS_M:g})",
+        help="a CPU time budget for the world-1 reference (default: none, memory only): a model over the budget is "
+        "cut, experts, vocabulary, then widths (e.g. 50: minutes on a laptop)",
     )
     parser.add_argument(
         "--timeout", default="600", help=f"seconds per run before a world is killed (at most {checks.MAX_TIMEOUT_S})"

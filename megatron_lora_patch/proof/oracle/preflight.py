@@ -98,7 +98,7 @@ class Plan:
             f"(every layer kind once: {kinds}); " + ("cut to fit, below" if spec.cuts else "widths unchanged"),
         ]
         if spec.cuts:
-            lines.append("  cut to fit memory and --max-parameters: " + ", ".join(
+            lines.append("  cut to fit memory / --max-parameters: " + ", ".join(
                 f"{option} {yours} -> {run}" for option, yours, run in spec.cuts
             ))
         if spec.hybrid_pattern:
@@ -285,7 +285,9 @@ def _fit(spec, topology, options: argparse.Namespace, rank: int, cut_vocab: bool
     available = limit_gib * GIB if limit_gib is not None else psutil.virtual_memory().available
     bytes_per = (2 if spec.dtype == "bf16" else 4) * 2  # the weights, and their fp32 draws / copies alongside
     if options.layers is None:
-        budget = min(int(available // bytes_per), int(options.max_parameters * 1e6))
+        budget = int(available // bytes_per)  # widths are kept where memory allows, unless the user sets a budget
+        if options.max_parameters is not None:
+            budget = min(budget, int(options.max_parameters * 1e6))
         spec = cut_to_fit(spec, budget, topology, cut_vocab, rank)
     parameters = estimate_parameters(spec)
     if parameters * bytes_per <= available:
