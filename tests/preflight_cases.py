@@ -36,7 +36,7 @@ def cli(*args: str, tmp_path) -> subprocess.CompletedProcess:
 
 def options(megatron_args, **overrides) -> argparse.Namespace:
     values = dict(json=None, steps=2, layers=None, seq_length=None, micro_batches=2, data_parallel_size=None,
-                  mutation=None, max_memory_gib=None, timeout=600.0)
+                  mutation=None, max_memory_gib=None, max_parameters=None, timeout=600.0)
     values.update(overrides)
     return argparse.Namespace(megatron_args=["--", *megatron_args], **values)
 

@@ -175,6 +175,16 @@ def test_preflight_checks_its_report_path_and_timeout_before_any_run(tmp_path, o
     assert result.stdout == ""  # no plan summary: nothing ran
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "many"])
+def test_preflight_parameter_budget_must_be_a_positive_number(value):
+    """--max-parameters (the CPU time budget the preflight cuts the model to) is refused by argparse, exit 2."""
+    result = run_in_process(["preflight", "--max-parameters", value, "--", "--num-layers", "2"])
+    assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        f"error: argument --max-parameters: must be a positive number, got {value!r}"
+    )
+
+
 def test_misspelled_megatron_plugins_is_one_line_before_any_world():
     """The ranks inherit MEGATRON_PLUGINS and their start-up hook would stop them with a rank traceback
     each: the oracle checks it first (as the preflight does). Control: a valid value passes that check."""

@@ -164,7 +164,7 @@ def test_bad_input_is_one_usage_error(user_environ, arguments, overrides, messag
 
 def test_too_large_for_this_machine_says_so_and_offers_fewer_layers(user_environ):
     """Never a silent pass: a world-1 model over the memory limit stops with the smallest comparison that fits."""
-    from megatron_lora_patch.proof.testbed.args_model import estimate_parameters
+    from megatron_lora_patch.proof.testbed.args_cuts import estimate_parameters
 
     full = preflight.make_plan(options([*MOE, "--expert-model-parallel-size", "2"], layers=4))
     minimal = preflight.make_plan(options([*MOE, "--expert-model-parallel-size", "2"]))
@@ -244,6 +244,18 @@ def test_data_path_feeds_both_runs_the_first_tokens_and_passes(user_environ, tmp
     mock = driver._global_batches(plan.spec, driver.TrainSettings(steps=1, global_batch_size=4))
     assert not (mock[0]["tokens"] == batches[0]["tokens"]).all()  # control: the data path changed the tokens
     assert_passed(preflight_run.run_plan(plan), "tp2-sp", ["dense"])
+
+
+def test_the_budget_cut_keeps_the_vocabulary_of_real_data(user_environ, tmp_path):
+    """Tokens of a --data-path need the user's vocabulary: the cut narrows the widths instead. Control: the same
+    model on mock data gets its vocabulary cut."""
+    wide = [*DENSE[: DENSE.index("--vocab-size")], "--vocab-size", "4096", *TP2_SP]
+    real = preflight.make_plan(options(_with_data(wide, _corpus(tmp_path)), max_parameters=0.1))
+    assert real.spec.padded_vocab_size == 4096 and real.spec.cuts and "--vocab-size" not in dict(
+        (option, run) for option, _, run in real.spec.cuts
+    )
+    mock = preflight.make_plan(options(wide, max_parameters=0.3))
+    assert mock.spec.cuts == (("--vocab-size", 4096, 2048),)  # only as far as needed: no width cut
 
 
 def _first_tokens(dataset, count: int):

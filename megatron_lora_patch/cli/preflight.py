@@ -15,12 +15,21 @@ DEFAULT_MICROBATCHES = 2
 
 def _positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (argparse prints the usage line and exits 2 otherwise)."""
+    return _positive(text, int, "integer")
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    return _positive(text, float, "number")
+
+
+def _positive(text: str, cast, what: str):
     try:
-        value = int(text)
+        value = cast(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a positive {what}, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive {what}, got {text!r}")
     return value
 
 
@@ -51,6 +60,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--mutation", help="re-introduce one of the oracle's known bugs (the preflight must then FAIL)")
     parser.add_argument(
         "--max-memory-gib", type=float, help="memory the world-1 reference may use (default: available RAM)"
+    )
+    parser.add_argument(
+        "--max-parameters",
+        type=_positive_float,
+        metavar="MILLIONS",
+        help="a CPU time budget for the world-1 reference (default: none, memory only): a model over the budget is "
+        "cut, experts, vocabulary, then widths (e.g. 50: minutes on a laptop)",
     )
     parser.add_argument(
         "--timeout", default="600", help=f"seconds per run before a world is killed (at most {checks.MAX_TIMEOUT_S})"

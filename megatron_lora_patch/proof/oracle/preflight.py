@@ -1,11 +1,13 @@
 """`megatron-lora-patch preflight -- <your pretrain_gpt.py arguments>`: the oracle on YOUR model and topology.
 
 Parses the arguments with Megatron-LM's own parser, builds your architecture through
-Megatron's own config path (every width kept; depth cut to the fewest layers that hold
-every layer kind), runs K LoRA training steps at your topology (TP, SP, PP, CP, EP, ETP,
-dtype from the arguments; DP as --data-parallel-size) and on one rank, with the same data
-(the first tokens of your --data-path, in order; mock tokens with --mock-data), the
-LoRA settings your job reads from MEGATRON_LORA_*, and compares the oracle's phases.
+Megatron's own config path (depth cut to the fewest layers that hold every layer kind; a
+model still over memory or --max-parameters also gets fewer routed experts, a smaller
+vocabulary, then narrower widths, each only as far as needed, and says so), runs K LoRA
+training steps at your topology (TP, SP, PP, CP, EP, ETP, dtype from the arguments; DP as
+--data-parallel-size) and on one rank, with the same data (the first tokens of your
+--data-path, in order; mock tokens with --mock-data), the LoRA settings your job reads
+from MEGATRON_LORA_*, and compares the oracle's phases.
 Exit 0 only on a match; 1 on a mismatch (naming the phase, layer and parameter that
 drift most); 2 on bad arguments or a model too large for this machine.
 """
@@ -79,6 +81,7 @@ class Plan:
             "lora": dataclasses.asdict(self.lora),
             "patches": self.patches,
             "mutation": self.mutation.name if self.mutation else None,
+            "cut": [{"setting": option, "yours": yours, "preflight": run} for option, yours, run in spec.cuts],
             "changed": [
                 {"setting": name, "yours": str(old), "preflight": str(new)}
                 for name, old, new in [*spec.changes(), *self.lora_changes]
@@ -92,8 +95,12 @@ class Plan:
             f"preflight: {str(self.topology)} ({self.topology.world_size} ranks, CPU + gloo) against 1 rank, "
             f"{self.steps} steps, {spec.dtype}, ~{self.parameters / 1e6:.1f}M parameters at world size 1",
             f"  layers: {spec.num_layers} of your {spec.args.num_layers} "
-            f"(every layer kind once: {kinds}); widths unchanged",
+            f"(every layer kind once: {kinds}); " + ("cut to fit, below" if spec.cuts else "widths unchanged"),
         ]
+        if spec.cuts:
+            lines.append("  cut to fit memory / --max-parameters: " + ", ".join(
+                f"{option} {yours} -> {run}" for option, yours, run in spec.cuts
+            ))
         if spec.hybrid_pattern:
             lines.append(f"  hybrid layer pattern: {spec.hybrid_pattern!r} of your {spec.args.hybrid_layer_pattern!r}")
         lines.append(f"  data: {'the first tokens of ' + self.data_path if self.data_path else 'mock'}")
@@ -143,6 +150,7 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
                 "--data-parallel-size N before --"
             )
         spec = ArgsModelSpec.from_args(args, layers=options.layers, seq_length=options.seq_length)
+        spec, parameters = _fit(spec, topology, options, lora.rank, cut_vocab=_data_prefix(args) is None)
         topology.validate(
             num_experts=spec.num_experts, num_layers=spec.num_layers, seq_length=spec.seq_length, max_world=None
         )
@@ -151,7 +159,6 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
     except TopologyError as error:
         raise UsageError(str(error)) from None
     _check_mutation(mutation, spec, args)
-    parameters = _check_memory(spec, options.max_memory_gib)
     plan = Plan(
         spec,
         topology,
@@ -266,17 +273,25 @@ def _topology_of(data_parallel_size: Optional[int], args: argparse.Namespace):
         raise UsageError(str(error)) from None
 
 
-def _check_memory(spec, limit_gib: Optional[float]) -> int:
-    """Estimated parameters of the world-1 reference; UsageError with the smallest comparison that fits if it cannot."""
+def _fit(spec, topology, options: argparse.Namespace, rank: int, cut_vocab: bool) -> tuple:
+    """(the spec, its estimated world-1 parameters): cut by `args_cuts.cut_to_fit` to the smaller of the memory
+    and --max-parameters budgets unless the user chose the depth (--layers); UsageError with the smallest
+    comparison that fits if the world-1 reference cannot fit memory."""
     import psutil
 
-    from megatron_lora_patch.proof.testbed.args_model import estimate_parameters
+    from megatron_lora_patch.proof.testbed.args_cuts import cut_to_fit, estimate_parameters
 
-    parameters = estimate_parameters(spec)
+    limit_gib = options.max_memory_gib
     available = limit_gib * GIB if limit_gib is not None else psutil.virtual_memory().available
     bytes_per = (2 if spec.dtype == "bf16" else 4) * 2  # the weights, and their fp32 draws / copies alongside
+    if options.layers is None:
+        budget = int(available // bytes_per)  # widths are kept where memory allows, unless the user sets a budget
+        if options.max_parameters is not None:
+            budget = min(budget, int(options.max_parameters * 1e6))
+        spec = cut_to_fit(spec, budget, topology, cut_vocab, rank)
+    parameters = estimate_parameters(spec)
     if parameters * bytes_per <= available:
-        return parameters
+        return spec, parameters
     distinct = len(set(spec.kinds))
     minimal = dataclasses.replace(spec, kinds=tuple(dict.fromkeys(spec.kinds)))
     needed = parameters * bytes_per / GIB

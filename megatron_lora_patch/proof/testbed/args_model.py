@@ -1,11 +1,12 @@
-"""The user's GPT model, built from their own Megatron-LM arguments and scaled down in depth only.
+"""The user's GPT model, built from their own Megatron-LM arguments and scaled down in depth.
 
 `args_parse.parse_megatron_args(argv, topology_of)` runs Megatron-LM's own parser and
 `validate_args` (as `pretrain_gpt.py` does, without initializing distributed); `ArgsModelSpec.from_args`
 keeps every width (hidden, heads, query groups, ffn, experts, top-k, vocabulary) and only
 cuts the number of layers to the fewest that hold every distinct layer kind (dense / MoE
 from `--moe-layer-freq`; attention / MLP / MoE from `--hybrid-layer-pattern`, see
-`testbed.args_hybrid`), a multiple of the pipeline size. Inside a rank,
+`testbed.args_hybrid`), a multiple of the pipeline size. A model still over the preflight's budget
+is cut further by `testbed.args_cuts` (experts, vocabulary, widths; recorded in `cuts`). Inside a rank,
 `ArgsModelSpec.build_model(topology, seed)` builds the TransformerConfig through
 `core_transformer_config_from_args` and the layer spec the way Megatron-LM's GPT builder
 chooses it, then overwrites every frozen base weight with a draw from (seed, logical
@@ -115,6 +116,7 @@ class ArgsModelSpec:
     vocab_size: int  # token ids drawn below this (the tokenizer's size)
     padded_vocab_size: int
     cpu: bool = True
+    cuts: Tuple[Tuple[str, Any, Any], ...] = ()  # (option, yours, run): what args_cuts.cut_to_fit cut to fit
 
     @classmethod
     def from_args(cls, args, *, layers: Optional[int] = None, seq_length: Optional[int] = None, cpu: bool = True):
@@ -324,26 +326,3 @@ def load_logical_draw(chunks: list, seed: int, std: float) -> None:
             full = 1.0 + 0.1 * full if is_norm else std * full
             param.copy_(shard.take(full))
 
-
-def estimate_parameters(spec: ArgsModelSpec) -> int:
-    """Parameters of the scaled world-size-1 model (an estimate: biases and norms left out)."""
-    args = spec.args
-    hidden, heads = args.hidden_size, args.num_attention_heads
-    kv = args.kv_channels or hidden // heads
-    groups = args.num_query_groups if args.group_query_attention else heads
-    glu = 2 if args.swiglu or args.quick_geglu else 1
-    attention = hidden * (heads + 2 * groups) * kv + heads * kv * hidden
-
-    def mlp(ffn: int) -> int:
-        return hidden * ffn * glu + ffn * hidden
-
-    experts = 0
-    if args.num_experts:
-        experts = args.num_experts * (mlp(args.moe_ffn_hidden_size or args.ffn_hidden_size) + hidden)
-        experts += mlp(args.moe_shared_expert_intermediate_size or 0)
-    # A GPT layer is attention + MLP or MoE; a hybrid layer is one of them (args_hybrid.KINDS).
-    parts = {DENSE: attention + mlp(args.ffn_hidden_size), MOE: attention + experts}
-    if spec.hybrid_pattern:
-        parts = {"attention": attention, "mlp": mlp(args.ffn_hidden_size), MOE: experts}
-    total = spec.padded_vocab_size * hidden * (2 if args.untie_embeddings_and_output_weights else 1)
-    return total + sum(parts[kind] for kind in spec.kinds)
