@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from lora_layer import CLOCKS, _count_in_place_addmm, _ratio_text, build_pair, step  # noqa: E402
+import lora_layer  # noqa: E402
+from lora_layer import _ratio_text, build_pair, step  # noqa: E402
 
 VARIANTS = ("lora", "dora")
 
@@ -61,24 +61,11 @@ def dora_state_bytes(pair: torch.nn.Module) -> int:
 
 
 def measure(pairs: dict, x: torch.Tensor, grad: torch.Tensor, reps: int) -> dict:
-    """On one rank: the clocks of every repetition per variant (ABBA; repetition 0 warms up), FLOPs, memory."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    _count_in_place_addmm()
-    flops = {}
-    for name, pair in pairs.items():
-        with FlopCounterMode(display=False) as counter:
-            step(pair, x, grad)
-        flops[name] = counter.get_total_flops()
-    times = {name: [] for name in pairs}
-    for repetition in range(reps + 1):
-        for name in VARIANTS if repetition % 2 else VARIANTS[::-1]:
-            start = [clock() for _, clock in CLOCKS]
-            step(pairs[name], x, grad)
-            times[name].append([clock() - begin for (_, clock), begin in zip(CLOCKS, start)])
-    return {"times": times, "flop_ratio": flops["dora"] / flops["lora"] - 1.0,
-            "saved_mb": {name: saved_bytes(pair, x, grad) / 2**20 for name, pair in pairs.items()},
-            "state_kb": dora_state_bytes(pairs["dora"]) / 2**10}
+    """On one rank: `lora_layer.measure` of LoRA then DoRA, and each variant's memory."""
+    figures = lora_layer.measure(pairs, x, grad, reps, VARIANTS)
+    figures["saved_mb"] = {name: saved_bytes(pair, x, grad) / 2**20 for name, pair in pairs.items()}
+    figures["state_kb"] = dora_state_bytes(pairs["dora"]) / 2**10
+    return figures
 
 
 def measure_all(rank: int, world_size: int, topology: str, hiddens: list, ranks: list, tokens: int,
@@ -103,17 +90,10 @@ def measure_all(rank: int, world_size: int, topology: str, hiddens: list, ranks:
 
 
 def summarize(per_rank: list) -> dict:
-    """One setting over all ranks: per repetition and clock the slowest rank; medians (ms) and ratio spreads."""
-    steps = {name: [[max(clock) for clock in zip(*ranks)]
-                    for ranks in zip(*(figures["times"][name][1:] for figures in per_rank))]
-             for name in VARIANTS}
-    summary = {"median_ms": {name: statistics.median(times[0] for times in steps[name]) * 1e3 for name in VARIANTS},
-               "flop_ratio": max(figures["flop_ratio"] for figures in per_rank),
-               "saved_mb": {name: max(figures["saved_mb"][name] for figures in per_rank) for name in VARIANTS},
-               "state_kb": max(figures["state_kb"] for figures in per_rank)}
-    for index, (clock, _) in enumerate(CLOCKS):
-        ratios = [dora[index] / lora[index] for dora, lora in zip(steps["dora"], steps["lora"])]
-        summary[clock] = (statistics.median(ratios), min(ratios), max(ratios))
+    """`lora_layer.summarize` of DoRA over LoRA, with the largest rank's memory figures."""
+    summary = lora_layer.summarize(per_rank, VARIANTS)
+    summary["saved_mb"] = {name: max(figures["saved_mb"][name] for figures in per_rank) for name in VARIANTS}
+    summary["state_kb"] = max(figures["state_kb"] for figures in per_rank)
     return summary
 
 

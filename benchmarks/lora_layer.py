@@ -93,8 +93,9 @@ def _count_in_place_addmm() -> None:
     registry.setdefault(torch.ops.aten.addmm_, registry[torch.ops.aten.addmm])
 
 
-def measure(pairs: dict, x: torch.Tensor, grad: torch.Tensor, reps: int) -> dict:
-    """On one rank: per variant, the clocks of every repetition (ABBA; repetition 0 warms up) and the FLOPs."""
+def measure(pairs: dict, x: torch.Tensor, grad: torch.Tensor, reps: int, variants: tuple = VARIANTS) -> dict:
+    """On one rank: per variant, the clocks of every repetition (ABBA; repetition 0 warms up) and the FLOP ratio
+    of the second variant over the first, minus 1."""
     from torch.utils.flop_counter import FlopCounterMode
 
     _count_in_place_addmm()
@@ -105,11 +106,12 @@ def measure(pairs: dict, x: torch.Tensor, grad: torch.Tensor, reps: int) -> dict
         flops[name] = counter.get_total_flops()
     times = {name: [] for name in pairs}
     for repetition in range(reps + 1):
-        for name in VARIANTS if repetition % 2 else VARIANTS[::-1]:
+        for name in variants if repetition % 2 else variants[::-1]:
             start = [clock() for _, clock in CLOCKS]
             step(pairs[name], x, grad)
             times[name].append([clock() - begin for (_, clock), begin in zip(CLOCKS, start)])
-    return {"times": times, "flop_ratio": flops["lora"] / flops["frozen"] - 1.0}
+    base, variant = variants
+    return {"times": times, "flop_ratio": flops[variant] / flops[base] - 1.0}
 
 
 def measure_all(rank: int, world_size: int, topology: str, sp_inputs: tuple, hiddens: list, ranks: list,
@@ -135,16 +137,17 @@ def measure_all(rank: int, world_size: int, topology: str, sp_inputs: tuple, hid
     return rows
 
 
-def summarize(per_rank: list) -> dict:
+def summarize(per_rank: list, variants: tuple = VARIANTS) -> dict:
     """One setting over all ranks: per repetition and clock the slowest rank's time; the thread-time
-    medians (ms) and, per clock, the LoRA / frozen ratio's median, min and max over repetitions."""
+    medians (ms) and, per clock, the second variant / first variant ratio's median, min and max over repetitions."""
     steps = {name: [[max(clock) for clock in zip(*ranks)]
                     for ranks in zip(*(figures["times"][name][1:] for figures in per_rank))]
-             for name in VARIANTS}
-    summary = {"median_ms": {name: statistics.median(times[0] for times in steps[name]) * 1e3 for name in VARIANTS},
+             for name in variants}
+    summary = {"median_ms": {name: statistics.median(times[0] for times in steps[name]) * 1e3 for name in variants},
                "flop_ratio": max(figures["flop_ratio"] for figures in per_rank)}
+    base, variant = variants
     for index, (clock, _) in enumerate(CLOCKS):
-        ratios = [lora[index] / frozen[index] for lora, frozen in zip(steps["lora"], steps["frozen"])]
+        ratios = [new[index] / old[index] for new, old in zip(steps[variant], steps[base])]
         summary[clock] = (statistics.median(ratios), min(ratios), max(ratios))
     return summary
 

@@ -207,3 +207,14 @@ def errors(reference: dict, candidate: dict) -> List[Dict[str, float]]:
             candidate["losses"], reference["losses"], candidate["adapters"], reference["adapters"]
         )
     ]
+
+
+def assert_every_step_within(reference: dict, candidate: dict, steps: int, loss_tolerance: float,
+                             adapter_tolerance: float, label: str) -> None:
+    """Each of the `steps` steps: the loss and the adapters of `candidate` within the tolerances of `reference`."""
+    per_step = errors(reference, candidate)
+    print(label, per_step)
+    assert len(per_step) == steps, (label, per_step)
+    for step, error in enumerate(per_step):
+        assert error["loss"] <= loss_tolerance, (label, step, error)
+        assert error["adapters"] <= adapter_tolerance, (label, step, error)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_training_parity import ParitySetup, errors, run_megatron, run_peft
+from hf_training_parity import ParitySetup, assert_every_step_within, errors, run_megatron, run_peft
 
 from megatron_lora_patch.proof.testbed.data import make_global_batch
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
@@ -72,11 +72,7 @@ def reference(initial) -> dict:
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_dora_training_matches_peft(megatron, reference, topology):
-    per_step = errors(reference, megatron[topology])
-    print(topology, per_step)
-    for step, error in enumerate(per_step):
-        assert error["loss"] <= LOSS_TOLERANCE, (step, error)
-        assert error["adapters"] <= ADAPTER_TOLERANCE, (step, error)
+    assert_every_step_within(reference, megatron[topology], SETUP.steps, LOSS_TOLERANCE, ADAPTER_TOLERANCE, topology)
 
 
 def test_the_magnitudes_train_and_a_local_normalization_is_far_off(megatron, initial, reference):

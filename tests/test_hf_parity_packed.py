@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_training_parity import ParitySetup, errors, run_megatron, run_peft
+from hf_training_parity import ParitySetup, assert_every_step_within, errors, run_megatron, run_peft
 
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 from megatron_lora_patch.proof.testbed.packing import make_packed_global_batch
@@ -94,12 +94,7 @@ def reference(initial) -> dict:
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_packed_lora_training_matches_peft_per_sequence(megatron, reference, topology):
-    per_step = errors(reference, megatron[topology])
-    print(topology, per_step)
-    assert len(per_step) == SETUP.steps
-    for step, error in enumerate(per_step):
-        assert error["loss"] <= LOSS_TOLERANCE, (step, error)
-        assert error["adapters"] <= ADAPTER_TOLERANCE, (step, error)
+    assert_every_step_within(reference, megatron[topology], SETUP.steps, LOSS_TOLERANCE, ADAPTER_TOLERANCE, topology)
 
 
 def test_the_adapters_train(initial, reference):
