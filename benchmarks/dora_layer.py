@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import lora_layer  # noqa: E402
-from lora_layer import _ratio_text, build_pair, step  # noqa: E402
+from lora_layer import build_pair, step  # noqa: E402
 
 VARIANTS = ("lora", "dora")
 
@@ -105,12 +105,9 @@ def report(options, rows: list) -> None:
           f"{'FLOP ratio':>10} {'bound':>6} {'met':>3}  {'process CPU ratio':>22}  {'wall ratio':>22}  "
           f"{'saved MB lora/dora':>18} {'state KB':>8}")
     for setting, hidden, rank, figures in rows:
-        bound = 1.0 + 2.0 * figures["flop_ratio"]
         saved = figures["saved_mb"]
         print(f"{setting:>7} {hidden:6d} {rank:3d} {figures['median_ms']['lora']:8.2f} "
-              f"{figures['median_ms']['dora']:8.2f} {_ratio_text(figures['thread']):>22} "
-              f"{figures['flop_ratio']:10.4f} {bound:6.3f} {'yes' if figures['thread'][0] <= bound else 'NO':>3}  "
-              f"{_ratio_text(figures['process']):>22}  {_ratio_text(figures['wall']):>22}  "
+              f"{figures['median_ms']['dora']:8.2f} {lora_layer.ratio_columns(figures)}  "
               f"{saved['lora']:8.2f}/{saved['dora']:<9.2f} {figures['state_kb']:8.1f}")
 
 

@@ -171,6 +171,14 @@ def _ratio_text(figures: tuple) -> str:
     return f"{median:.3f} [{low:.3f}, {high:.3f}]"
 
 
+def ratio_columns(figures: dict) -> str:
+    """The thread-time ratio, FLOP ratio, bound (1 + 2 x FLOP ratio), verdict, process-CPU and wall ratios."""
+    bound = 1.0 + 2.0 * figures["flop_ratio"]
+    return (f"{_ratio_text(figures['thread']):>22} {figures['flop_ratio']:10.4f} {bound:6.3f} "
+            f"{'yes' if figures['thread'][0] <= bound else 'NO':>3}  {_ratio_text(figures['process']):>22}  "
+            f"{_ratio_text(figures['wall']):>22}")
+
+
 def report(options, rows: list) -> None:
     print(f"MLP pair h -> 4h -> h, {options.tokens} tokens, fp32 CPU, {options.threads} thread(s) per rank, frozen "
           f"base, input requires grad; {options.reps} interleaved (ABBA) repetitions of forward + backward, per "
@@ -178,11 +186,8 @@ def report(options, rows: list) -> None:
     print(f"{'setting':>16} {'hidden':>6} {'r':>3} {'frozen ms':>10} {'lora ms':>9} {'ratio [min, max]':>22} "
           f"{'FLOP ratio':>10} {'bound':>6} {'met':>3}  {'process CPU ratio':>22}  {'wall ratio':>22}")
     for setting, hidden, rank, figures in rows:
-        bound = 1.0 + 2.0 * figures["flop_ratio"]
         print(f"{setting:>16} {hidden:6d} {rank:3d} {figures['median_ms']['frozen']:10.2f} "
-              f"{figures['median_ms']['lora']:9.2f} {_ratio_text(figures['thread']):>22} "
-              f"{figures['flop_ratio']:10.4f} {bound:6.3f} {'yes' if figures['thread'][0] <= bound else 'NO':>3}  "
-              f"{_ratio_text(figures['process']):>22}  {_ratio_text(figures['wall']):>22}")
+              f"{figures['median_ms']['lora']:9.2f} {ratio_columns(figures)}")
 
 
 def main() -> None:
