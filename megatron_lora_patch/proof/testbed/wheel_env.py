@@ -9,12 +9,28 @@ tests and the start-up benchmark.
 from __future__ import annotations
 
 import pathlib
+import shutil
 import subprocess
 import sys
 import sysconfig
 import venv
 import zipfile
 from typing import Optional
+
+
+def _build_wheel(project: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
+    """The project's wheel, built from a private copy of its tree: setuptools writes `build/` and `*.egg-info`
+    into the tree it builds, so two builds of one checkout at once (the test legs run two at a time) would race
+    there. A failed build raises with pip's own output."""
+    source, wheel_dir = root / "source", root / "wheel"
+    shutil.copytree(project, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__"))
+    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir),
+               str(source)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
+    (wheel,) = wheel_dir.glob("*.whl")
+    return wheel
 
 
 def create(root: pathlib.Path, project: Optional[pathlib.Path]) -> pathlib.Path:
@@ -31,24 +47,7 @@ def create(root: pathlib.Path, project: Optional[pathlib.Path]) -> pathlib.Path:
         ).strip()
     )
     if project is not None:
-        wheel_dir = root / "wheel"
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "wheel",
-                "--no-deps",
-                "--no-build-isolation",
-                "-q",
-                "-w",
-                str(wheel_dir),
-                str(project),
-            ],
-            check=True,
-            capture_output=True,
-        )
-        (wheel,) = wheel_dir.glob("*.whl")
+        wheel = _build_wheel(project, root)
         with zipfile.ZipFile(wheel) as archive:
             archive.extractall(site_packages)
             packages = sorted({name.split("/")[0] for name in archive.namelist() if name.endswith(".py")})
