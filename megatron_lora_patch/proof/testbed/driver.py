@@ -94,6 +94,9 @@ class TrainSettings:
     ddp_bucket_size: Optional[int] = None
     # TransformerConfig fields for the built model, e.g. {"gradient_accumulation_fusion": True}
     model_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # "cuda": every rank on its own GPU with NCCL (the preflight's CUDA path; the model is built on CPU and moved,
+    # like Megatron-LM's `get_model` under --use-cpu-initialization), "cpu": gloo
+    device: str = "cpu"
 
 
 def _rank_coordinates() -> Dict[str, int]:
@@ -128,6 +131,8 @@ def _wrap_like_get_model(chunks: list, settings: TrainSettings) -> list:
     for chunk in chunks:
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    if settings.device == "cuda":
+        chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
     if settings.calculate_per_token_loss is not None:
         # Must happen before DDP is built: DDP picks its pre-reduction scaling from it.
         config.calculate_per_token_loss = settings.calculate_per_token_loss

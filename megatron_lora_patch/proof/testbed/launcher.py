@@ -158,6 +158,7 @@ def run_world(
 #: fork server imports it once, so a rank starts in milliseconds instead of paying torch's and its compiler stack's
 #: import (about 6 s of the 8 s a Megatron-Core import takes; Megatron itself is imported by each rank, after its
 #: environment is set, so plugins still load as in a fresh interpreter).
+CUDA_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 FORK_SERVER_PRELOAD = (
     "megatron_lora_patch.proof.testbed.rank",
     "torch",
@@ -170,8 +171,8 @@ FORK_SERVER_PRELOAD = (
 
 def _rank_context() -> Any:
     """The fork-server context, its server started with no `MEGATRON_*` variable (so the `.pth` start-up hook never
-    arms in the server: each rank arms it from its own environment) and one intra-op thread (no OpenMP pool exists
-    to fork)."""
+    arms in the server: each rank arms it from its own environment), one intra-op thread (no OpenMP pool exists
+    to fork) and CUDA left uninitialized (`CUDA_CHECK_ENV`)."""
     import multiprocessing.forkserver
 
     context = multiprocessing.get_context("forkserver")
@@ -181,6 +182,10 @@ def _rank_context() -> Any:
         for key in [key for key in os.environ if key[:9].upper() == "MEGATRON_"]:
             del os.environ[key]
         os.environ.update({key: "1" for key in _THREAD_ENV})
+        # The preloaded imports ask torch whether CUDA is there; its default answer marks every process later forked
+        # from the server as unable to start CUDA (seen on an H200, benchmarks/README.md "gpu/run.sh"), the answer
+        # through NVML does not.
+        os.environ[CUDA_CHECK_ENV] = "1"
         multiprocessing.forkserver.ensure_running()
     finally:
         os.environ.clear()

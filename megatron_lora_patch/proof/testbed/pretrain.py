@@ -91,6 +91,8 @@ def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module, loss_fu
     (`cu_seqlens`) goes in as Megatron's `PackedSeqParams` (THD), `pretrain_gpt.py`'s way.
     """
     batch = cp_rank_slice(next(data_iterator))
+    device = next(model.parameters()).device  # the batches are made on CPU; a CUDA rank's model is on its GPU
+    batch = {key: value.to(device) for key, value in batch.items()}
     extra = {}
     if "cu_seqlens" in batch:
         extra["packed_seq_params"] = packed_seq_params(batch["cu_seqlens"])

@@ -3,7 +3,8 @@
 `rank_main` isolates the rank (own process group, dies with its parent, stack dumps on
 SIGUSR1), runs the function and sends one message back; results travel as `torch.save`
 bytes of detached CPU copies (`to_cpu`; the fork server preloaded torch, so every rank has it).
-`gloo_process_group` is how a rank joins the world the parent's store hosts.
+`gloo_process_group` is how a rank joins the world the parent's store hosts (`process_group(device="cuda")`:
+NCCL on the rank's own GPU instead, the preflight's CUDA path).
 """
 
 from __future__ import annotations
@@ -161,13 +162,23 @@ def gloo_process_group(timeout_s: float | None = None) -> Iterator[None]:
     key prefix, so a rank may open and close several worlds in sequence (all ranks in
     the same order). ``timeout_s`` bounds each collective (torch's default if ``None``).
     """
+    with process_group("cpu", timeout_s):
+        yield
+
+
+@contextlib.contextmanager
+def process_group(device: str, timeout_s: float | None = None) -> Iterator[None]:
+    """`gloo_process_group` on ``device`` "cpu"; on "cuda" NCCL with this rank on GPU ``RANK % device_count``
+    (one GPU per rank: NCCL refuses two ranks on one device)."""
+    import torch
     import torch.distributed as dist
 
+    name = "gloo_process_group()" if device == "cpu" else "process_group(cuda)"
     if dist.is_initialized():
-        raise RuntimeError("gloo_process_group(): torch.distributed is already initialized in this process")
+        raise RuntimeError(f"{name}: torch.distributed is already initialized in this process")
     missing = [key for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if key not in os.environ]
     if missing:
-        raise RuntimeError(f"gloo_process_group(): environment lacks {missing}; run under run_world() or torchrun")
+        raise RuntimeError(f"{name}: environment lacks {missing}; run under run_world() or torchrun")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -179,8 +190,12 @@ def gloo_process_group(timeout_s: float | None = None) -> Iterator[None]:
         **({"timeout": timeout} if timeout is not None else {}),
     )
     store = dist.PrefixStore(f"gloo_process_group/{next(_group_round)}", store)
+    backend = "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = "nccl"
     dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world_size, **({"timeout": timeout} if timeout else {})
+        backend, store=store, rank=rank, world_size=world_size, **({"timeout": timeout} if timeout else {})
     )
     # A rank may return from init before its peers finished connecting to it; leaving at once (a body that only
     # raises) would close their half-made connections ("Connection closed by peer"): every rank connects first.

@@ -76,7 +76,8 @@ def _train_jobs_on_rank(rank: int, world_size: int, jobs: List[Job]) -> List[dic
     for index, job in enumerate(jobs):
         started = time.monotonic()
         try:
-            with job.topology.world(seed=job.settings.seed), (job.context or contextlib.nullcontext)():
+            world = job.topology.world(seed=job.settings.seed, device=job.settings.device)
+            with world, (job.context or contextlib.nullcontext)():
                 records.append(train_steps(job.spec, job.topology, job.settings))
             records[-1]["wall_s"] = time.monotonic() - started
         except Exception as error:

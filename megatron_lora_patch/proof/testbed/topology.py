@@ -255,12 +255,18 @@ class Topology:
 
     @contextlib.contextmanager
     def world(
-        self, *, seed: int | None = DEFAULT_SEED, cpu_compat: bool | None = None, timeout_s: float | None = None
+        self,
+        *,
+        seed: int | None = DEFAULT_SEED,
+        cpu_compat: bool | None = None,
+        timeout_s: float | None = None,
+        device: str = "cpu",
     ) -> Iterator["Topology"]:
-        """In a rank started by ``run_world``: gloo process group + :meth:`initialize`, torn down on exit."""
-        from megatron_lora_patch.proof.testbed.launcher import gloo_process_group
+        """In a rank started by ``run_world``: gloo process group (``device="cuda"``: NCCL, one GPU per rank) +
+        :meth:`initialize`, torn down on exit."""
+        from megatron_lora_patch.proof.testbed.rank import process_group
 
-        with gloo_process_group(timeout_s=timeout_s):
+        with process_group(device, timeout_s=timeout_s):
             try:
                 self.initialize(seed=seed, cpu_compat=cpu_compat)
                 yield self
