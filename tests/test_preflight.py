@@ -96,7 +96,7 @@ def test_moe_tp2_etp2_sp_passes_and_a_skipped_expert_sum_names_the_moe_layer(use
             {},
             "your arguments run on one rank, so there is nothing to compare with world size 1; pass your "
             "parallel sizes (--tensor-model-parallel-size, --pipeline-model-parallel-size, ...) "
-            "or --data-parallel-size N before --",
+            "or --data-parallel-size N before -- (on a GPU node, --device cuda also checks one rank's kernels)",
         ),
         (
             [*DENSE, *TP2_SP, "--num-layers", "x"],

@@ -57,6 +57,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         type=_positive_int,
         help="data-parallel size (default: the smallest that fits your expert grid)",
     )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="where the ranks run: cpu (gloo), cuda (one GPU per rank, NCCL, your kernels and layer spec), or auto "
+        "(cuda where torch sees a GPU; the default)",
+    )
     parser.add_argument("--mutation", help="re-introduce one of the oracle's known bugs (the preflight must then FAIL)")
     parser.add_argument(
         "--max-memory-gib", type=float, help="memory the world-1 reference may use (default: available RAM)"

@@ -68,22 +68,28 @@ def compare(candidate: dict, reference: dict, settings) -> Dict[str, PhaseMetric
                 f"missing {sorted(set(expected) - set(candidate[phase]))}, "
                 f"extra {sorted(set(candidate[phase]) - set(expected))}"
             )
-        by_step: Dict[int, list] = {}
-        for key in expected:
-            step = (
-                settings.steps - 1
-                if phase == "deltas"
-                else int(STEP_KEY.match(key).group(1))
-                if STEP_KEY.match(key)
-                else 0
-            )
-            by_step.setdefault(step, []).append(key)
-        measure = compare_scalars if phase in ("loss", "grad_norm") else compare_tensors
+        measure = measure_for(phase)
         judged = [
             measure({key: candidate[phase][key] for key in keys}, {key: expected[key] for key in keys}, limit)
-            for step, keys in sorted(by_step.items())
+            for step, keys in sorted(keys_by_step(phase, expected, settings.steps).items())
             if (limit := settings.threshold(phase, step)) is not None
         ]
         if judged:
             metrics[phase] = max(judged, key=lambda m: (m.ratio != m.ratio, m.ratio))  # NaN first
     return metrics
+
+
+def keys_by_step(phase: str, keys, steps: int) -> Dict[int, list]:
+    """A phase's keys grouped by the optimizer step each belongs to (`step<j>...`; forward outputs: step 0;
+    deltas: the last step)."""
+    by_step: Dict[int, list] = {}
+    for key in keys:
+        match = STEP_KEY.match(key)
+        step = steps - 1 if phase == "deltas" else int(match.group(1)) if match else 0
+        by_step.setdefault(step, []).append(key)
+    return by_step
+
+
+def measure_for(phase: str):
+    """How a phase's values are compared: scalars (losses, grad norms) or tensors."""
+    return compare_scalars if phase in ("loss", "grad_norm") else compare_tensors

@@ -20,9 +20,12 @@ import functools
 import re
 from typing import Any, Optional
 
+from megatron_lora_patch.proof.oracle import preflight_device
+from megatron_lora_patch.proof.oracle.thresholds import BF16_TOPOLOGY_FACTOR
 from megatron_lora_patch.runtime.errors import UsageError
 
 GIB = 1024**3
+DEVICE_WORDS = {"cpu": "CPU + gloo", "cuda": "one GPU per rank + NCCL"}
 _WEIGHT = re.compile(r"[0-9.eE+-]+")  # a blend's weight in --data-path, as opposed to a dataset prefix
 
 
@@ -40,6 +43,7 @@ class Plan:
     parameters: int
     data_path: Optional[str] = None  # the indexed dataset whose first tokens both runs read; None: mock data
     rank_warnings: str = "ignore"  # the ranks' warnings filter: Megatron's start-up notices are noise here
+    device: str = "cpu"  # cpu: gloo ranks, the CPU stand-ins; cuda: one GPU per rank, NCCL, your kernels and spec
 
     @property
     def limits(self) -> Any:
@@ -53,7 +57,7 @@ class Plan:
         return {
             "topology": str(self.topology),
             "world_size": self.topology.world_size,
-            "device": "cpu+gloo",
+            "device": DEVICE_WORDS[self.device],
             "layers": {
                 "yours": args.num_layers,
                 "kept": spec.num_layers,
@@ -92,8 +96,8 @@ class Plan:
         described, spec = self.describe(), self.spec
         kinds = ", ".join(f"{index}: {kind}" for index, kind in enumerate(spec.kinds))
         lines = [
-            f"preflight: {str(self.topology)} ({self.topology.world_size} ranks, CPU + gloo) against 1 rank, "
-            f"{self.steps} steps, {spec.dtype}, ~{self.parameters / 1e6:.1f}M parameters at world size 1",
+            f"preflight: {str(self.topology)} ({self.topology.world_size} ranks, {DEVICE_WORDS[self.device]}) against "
+            f"1 rank, {self.steps} steps, {spec.dtype}, ~{self.parameters / 1e6:.1f}M parameters at world size 1",
             f"  layers: {spec.num_layers} of your {spec.args.num_layers} "
             f"(every layer kind once: {kinds}); " + ("cut to fit, below" if spec.cuts else "widths unchanged"),
         ]
@@ -109,6 +113,11 @@ class Plan:
         lines += [
             f"  changed: {item['setting']} {item['yours']} -> {item['preflight']}" for item in described["changed"]
         ]
+        if spec.dtype == "bf16":
+            lines.append(
+                f"  bf16: judged against an fp32 world-1 run, within {BF16_TOPOLOGY_FACTOR:g}x the one-rank bf16 "
+                "run's own error (proof/oracle/bf16_rule.py)"
+            )
         if self.mutation:
             lines.append(f"  mutation: {self.mutation.name} ({self.mutation.bug})")
         return "\n".join(lines)
@@ -136,6 +145,7 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
         raise UsageError(
             "preflight needs your pretrain_gpt.py arguments after --, e.g. preflight -- --num-layers 32 ..."
         )
+    device = preflight_device.resolve_device(getattr(options, "device", "cpu"))
     mutation = _mutation(options.mutation)
     lora, lora_changes = _compared_lora(environ)
     patches = _user_patches()
@@ -143,13 +153,8 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
     try:
         args = parse_megatron_args(argv, topology_of)
         topology = topology_of(args)
-        if topology.world_size == 1:
-            raise UsageError(
-                "your arguments run on one rank, so there is nothing to compare with world size 1; pass your "
-                "parallel sizes (--tensor-model-parallel-size, --pipeline-model-parallel-size, ...) or "
-                "--data-parallel-size N before --"
-            )
-        spec = ArgsModelSpec.from_args(args, layers=options.layers, seq_length=options.seq_length)
+        preflight_device.check_world(topology.world_size, device, mutation, args)
+        spec = ArgsModelSpec.from_args(args, layers=options.layers, seq_length=options.seq_length, cpu=device == "cpu")
         spec, parameters = _fit(spec, topology, options, lora.rank, cut_vocab=_data_prefix(args) is None)
         topology.validate(
             num_experts=spec.num_experts, num_layers=spec.num_layers, seq_length=spec.seq_length, max_world=None
@@ -172,6 +177,7 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
         parameters,
         _data_prefix(args),
         "default" if getattr(options, "verbose", False) else "ignore",
+        device,
     )
     if plan.data_path:
         _check_data(plan)

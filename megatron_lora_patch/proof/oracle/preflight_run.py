@@ -1,6 +1,8 @@
 """Running a preflight plan (docs/fail-closed.md, "preflight"; the plan is made by `preflight.make_plan`):
-the world-size-1 reference and the user's topology as CPU worlds with the user's patches (and a mutation
-where asked), compared like the oracle, into a `PreflightReport` that says where a mismatch starts and
+the world-size-1 reference and the user's topology as worlds on the plan's device (CPU + gloo, or one GPU
+per rank + NCCL) with the user's patches (and a mutation
+where asked), compared like the oracle (bf16: against an fp32 reference within the one-rank bf16 run's own
+error, proof/oracle/bf16_rule.py), into a `PreflightReport` that says where a mismatch starts and
 where it drifts most."""
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from megatron_lora_patch.proof.oracle.preflight_report import PreflightReport, d
 
 def run_plan(plan: Plan):
     """Reference and topology runs, compared like the oracle; an `OracleReport` with one row and `preflight` details."""
+    from megatron_lora_patch.proof.oracle.harness import routing_verdict
     from megatron_lora_patch.proof.oracle.report import TopologyResult
     from megatron_lora_patch.proof.testbed.topology import Topology
 
@@ -33,17 +36,26 @@ def run_plan(plan: Plan):
         },
         preflight=plan.describe(),
     )
-    with _cpu_only():
+    records = truth = None
+    with _visible_devices(plan.device):
         reference, error = _run(plan, Topology(), None)
+        if error is None and plan.spec.dtype == "bf16":  # the bf16 rule's truth (proof/oracle/bf16_rule.py)
+            truth, error = _run(dataclasses.replace(plan, spec=plan.spec.in_fp32()), Topology(), None)
         if error:
             error = f"the world-1 reference run failed; nothing was compared:\n{error}"
         else:
             records, error = _run(plan, plan.topology, plan.mutation)
     phases, routing = {}, ""
     if error is None:
-        phases, routing, error = _compare(plan, records, reference)
+        phases, routing, error, limits = _compare(plan, records, reference, truth)
+        report.settings["thresholds"] = limits.thresholds
+        if truth is not None:
+            report.settings["bf16_noise"] = {f"{phase} step {n}": error for (phase, n), error in limits.noise.items()}
     wall_s = max((record.get("wall_s", 0.0) for record in records or ()), default=0.0) if error is None else 0.0
-    report.topologies.append(TopologyResult(name, plan.topology.world_size, phases, error, routing, wall_s, model))
+    routing, note = routing_verdict(routing, plan.spec.dtype)
+    report.topologies.append(
+        TopologyResult(name, plan.topology.world_size, phases, error, routing, wall_s, model, note)
+    )
     report.drift = drift(phases, plan.spec.kinds)
     report.wall_s = time.monotonic() - started
     return report
@@ -69,6 +81,7 @@ def _run(plan: Plan, topology, mutation):
         global_batch_size=micro_batch_size * plan.topology.dp * plan.micro_batches,
         capture=capture,
         data_path=plan.data_path,
+        device=plan.device,
         # The world-1 reference keeps the plain optimizer: an independent check of the distributed one.
         use_distributed_optimizer=bool(plan.spec.args.use_distributed_optimizer) and topology.world_size > 1,
     )
@@ -83,17 +96,23 @@ def _run(plan: Plan, topology, mutation):
         return None, str(error)
 
 
-def _compare(plan: Plan, records, reference):
+def _compare(plan: Plan, records, reference, truth=None):
+    """(phases, routing divergence, error text or None, the limits judged by): against the world-1 reference, or
+    for bf16 against the fp32 `truth` within the one-rank bf16 run's own error (proof/oracle/bf16_rule.py)."""
     from megatron_lora_patch.proof.oracle import canonical
+    from megatron_lora_patch.proof.oracle.bf16_rule import relative_limits
     from megatron_lora_patch.proof.oracle.phases import adapter_shapes, canonical_phases, compare, routing_maps
 
+    limits = plan.limits
     try:
         shapes = adapter_shapes(reference)
-        expected = canonical_phases(reference, plan.spec, shapes)
-        phases = compare(canonical_phases(records, plan.spec, shapes), expected, plan.limits)
-        return phases, canonical.routing_divergence(routing_maps(records), routing_maps(reference)), None
+        expected = canonical_phases(truth or reference, plan.spec, shapes)
+        if truth is not None:
+            limits = relative_limits(canonical_phases(reference, plan.spec, shapes), expected, plan.steps)
+        phases = compare(canonical_phases(records, plan.spec, shapes), expected, limits)
+        return phases, canonical.routing_divergence(routing_maps(records), routing_maps(reference)), None, limits
     except (ValueError, KeyError) as problem:  # a layout mismatch is a failure, never a pass
-        return {}, "", f"comparison failed: {type(problem).__name__}: {problem}"
+        return {}, "", f"comparison failed: {type(problem).__name__}: {problem}", limits
 
 
 @contextlib.contextmanager
@@ -113,10 +132,12 @@ def preflight_job(lora, patches: dict, mutation):
 
 
 @contextlib.contextmanager
-def _cpu_only():
-    """Ranks run on CPU with gloo (the testbed's world), also on a machine with GPUs."""
+def _visible_devices(device: str):
+    """On "cpu" the ranks run with gloo also on a machine with GPUs (CUDA hidden from them); "cuda" leaves the
+    GPUs visible: one per rank, NCCL."""
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
         yield
     finally:

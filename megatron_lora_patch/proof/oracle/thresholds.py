@@ -49,6 +49,9 @@ from __future__ import annotations
 from typing import Optional
 
 PHASES = ("forward", "loss", "grads", "grad_norm", "deltas")
+#: The preflight's bf16 rule (proof/oracle/bf16_rule.py, with its measurements): a bf16 topology's error against
+#: fp32 may be this many times the one-rank bf16 run's own error.
+BF16_TOPOLOGY_FACTOR = 5.0
 
 #: dtype -> phase -> (threshold at step 0, threshold at later steps); None: not compared.
 #: Forward outputs exist for step 0 only; deltas (weights after the last step minus the

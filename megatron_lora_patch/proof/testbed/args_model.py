@@ -161,6 +161,15 @@ class ArgsModelSpec:
     def dtype(self) -> str:
         return "bf16" if self.args.bf16 else "fp32"
 
+    def in_fp32(self) -> "ArgsModelSpec":
+        """This model in fp32 (the bf16 preflight's reference, proof/oracle/bf16_rule.py), as Megatron-LM's
+        `validate_args` sets it up without --bf16."""
+        import torch
+
+        args = copy.copy(self.args)
+        args.bf16, args.params_dtype = False, torch.float32
+        return dataclasses.replace(self, args=args)
+
     def changes(self) -> List[Tuple[str, Any, Any]]:
         """(argument, the user's value, the value the preflight runs with), beyond depth and sequence."""
         overrides = DROPOUT_OFF + (CPU_OFF if self.cpu else ())
