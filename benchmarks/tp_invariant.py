@@ -20,11 +20,15 @@ state the mode keeps between steps (the microbatch lanes, `layout_invariant.lane
 buffers; no weight is cached) is reported separately, next to the rank's own
 parameter bytes.
 
+`--device cuda` (issue 34's device script: world size 1, `--topology tp1`): the ranks on GPUs with NCCL, each clock
+read after a device synchronize, and memory as the growth of CUDA's peak allocation over the allocation right
+after the model is built (the process's CPU time is then host time only: read the wall figures).
+
 Anchor: Megatron-LM #4740 reports +70 % forward and +163 % end-to-end on GPU (TE kernels,
 real sizes); on 2 CPU cores with gloo the ratios are only indicative.
 
 Usage: python benchmarks/tp_invariant.py [--topology tp2] [--steps 4] [--warmup 1] [--rounds 4] [--hidden 256]
-    [--seq 128] [--global-batch 8]
+    [--seq 128] [--global-batch 8] [--device cpu]
 """
 
 from __future__ import annotations
@@ -41,16 +45,34 @@ MODES = (("default", False), ("layout_invariant", True))
 #: Wall time, and the CPU time of the rank's process (all its threads): CPU time leaves out the time
 #: the process waits descheduled on a loaded machine, so its ratios stay stable under load.
 CLOCKS = (("s", time.perf_counter), ("cpu_s", time.process_time))
-_FORWARD: dict = {"started": None, "seconds": (0.0, 0.0)}
+_FORWARD: dict = {"started": None, "seconds": (0.0, 0.0), "device": "cpu"}
 _STEP_ENDS: list = []
 
 
-def _current_rss_bytes() -> int:
+def _current_bytes() -> int:
+    """The resident set size; on CUDA the bytes CUDA's allocator holds for tensors (its peak counted from here)."""
+    if _FORWARD["device"] == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * resource.getpagesize()
 
 
+def _peak_bytes() -> int:
+    if _FORWARD["device"] == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _now() -> tuple:
+    if _FORWARD["device"] == "cuda":  # device work is asynchronous: the clocks are read once it is done
+        import torch
+
+        torch.cuda.synchronize()
     return tuple(clock() for _, clock in CLOCKS)
 
 
@@ -67,7 +89,7 @@ def _forward_finished(module, args, kwargs, output):
 def _time_forwards(chunks) -> None:
     chunks[0].register_forward_pre_hook(_forward_started, with_kwargs=True)
     chunks[0].register_forward_hook(_forward_finished, with_kwargs=True)
-    _FORWARD["rss_before"] = _current_rss_bytes()
+    _FORWARD["memory_before"] = _current_bytes()
     _FORWARD["param_bytes"] = sum(param.nbytes for chunk in chunks for param in chunk.parameters())
 
 
@@ -77,7 +99,7 @@ def _step_end(step, record, chunks) -> None:
     _FORWARD["seconds"] = (0.0, 0.0)
 
 
-def _train(spec, topology_text, invariant, steps, global_batch) -> tuple:
+def _train(spec, topology_text, invariant, steps, global_batch, device) -> tuple:
     """One training run of `steps` steps in one mode: (record, time the run started)."""
     import megatron_lora_patch
     from megatron_lora_patch.layout_invariant import lanes
@@ -86,7 +108,10 @@ def _train(spec, topology_text, invariant, steps, global_batch) -> tuple:
     from megatron_lora_patch.proof.testbed.patches import apply_only
     from megatron_lora_patch.proof.testbed.topology import Topology
 
-    wanted = set(PATCHES) | ({"layout_invariant"} if invariant else set())
+    _FORWARD["device"] = device
+    wanted = (set(PATCHES) - ({"cpu_compat"} if device == "cuda" else set())) | (
+        {"layout_invariant"} if invariant else set()
+    )
     apply_only(wanted)
     set_active(LoraConfig(rank=16, alpha=32.0, b_init="nonzero"))
     settings = TrainSettings(
@@ -94,11 +119,12 @@ def _train(spec, topology_text, invariant, steps, global_batch) -> tuple:
         global_batch_size=global_batch,
         on_model_built=_time_forwards,
         capture=Capture(params=None, on_step_end=_step_end),
+        device=device,
     )
     topology = Topology.parse(topology_text)
     _STEP_ENDS.clear()
     try:
-        with topology.world(seed=settings.seed):
+        with topology.world(seed=settings.seed, device=device):
             started = _now()
             record = train_steps(spec, topology, settings)
             record["state_bytes"] = lanes.lane_bytes() if invariant else 0
@@ -118,20 +144,20 @@ def _step_times(record, started) -> dict:
     return times
 
 
-def _measure_memory(rank, world_size, spec, topology_text, invariant, steps, global_batch) -> float:
-    """Peak RSS growth of one mode: its own world, since the peak is per process."""
-    _train(spec, topology_text, invariant, steps, global_batch)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - _FORWARD["rss_before"]
+def _measure_memory(rank, world_size, spec, topology_text, invariant, steps, global_batch, device) -> float:
+    """Peak memory growth of one mode: its own world, since the peak is per process."""
+    _train(spec, topology_text, invariant, steps, global_batch, device)
+    return _peak_bytes() - _FORWARD["memory_before"]
 
 
-def _measure_times(rank, world_size, spec, topology_text, steps, rounds, global_batch) -> list:
+def _measure_times(rank, world_size, spec, topology_text, steps, rounds, global_batch, device) -> list:
     """Both modes in ONE world, alternating run by run (ABBA), so machine drift hits both alike."""
     runs = []
     for round_index in range(rounds):
         modes = MODES if round_index % 2 == 0 else MODES[::-1]
         runs.append(
             {
-                mode: _step_times(*_train(spec, topology_text, invariant, steps, global_batch))
+                mode: _step_times(*_train(spec, topology_text, invariant, steps, global_batch, device))
                 for mode, invariant in modes
             }
         )
@@ -165,7 +191,7 @@ def _report(options, topology: str, figures: dict, peak_mib: dict) -> None:
         f"{options.rounds} alternating runs per mode of {options.steps} timed steps (medians, rank 0; "
         f"wall time and process CPU time)"
     )
-    print(f"{'mode':14s} " + " ".join(f"{key:>14s}" for key in TIMES) + f" {'peak RSS growth MiB':>20s}")
+    print(f"{'mode':14s} " + " ".join(f"{key:>14s}" for key in TIMES) + f" {'peak memory growth MiB':>20s}")
     for mode, _ in MODES:
         print(f"{mode:14s} " + " ".join(f"{figures[mode][key]:14.4f}" for key in TIMES) + f" {peak_mib[mode]:20.1f}")
     for key in TIMES:
@@ -174,7 +200,7 @@ def _report(options, topology: str, figures: dict, peak_mib: dict) -> None:
             f"ratio layout_invariant / default, {key}: {median:.2f}x (per-round median; min {low:.2f}, max {high:.2f})"
         )
     print(
-        f"peak RSS growth ratio {peak_mib['layout_invariant'] / max(peak_mib['default'], 1e-9):.2f}x; state kept "
+        f"peak memory growth ratio {peak_mib['layout_invariant'] / max(peak_mib['default'], 1e-9):.2f}x; state kept "
         f"by layout_invariant between steps (microbatch lanes, rank 0): "
         f"{figures['state_mib']['state_bytes']:.1f} MiB "
         f"on top of the rank's {figures['state_mib']['param_bytes']:.1f} MiB of parameters"
@@ -194,6 +220,7 @@ def main() -> None:
     parser.add_argument("--topology", default="tp2", help="tp2, tp2-sp, dp2, pp2, tp2-dp2, ... (testbed spec)")
     parser.add_argument("--global-batch", type=int, default=8, help="samples per step (micro batch 1)")
     parser.add_argument("--experts", type=int, default=0, help="MoE: routed experts per layer, top-2 (0: dense)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one GPU per rank, NCCL")
     options = parser.parse_args()
     spec = TinyGPTSpec(
         hidden_size=options.hidden,
@@ -209,12 +236,12 @@ def main() -> None:
     runs = run_world(
         _measure_times,
         world,
-        args=(spec, topology, steps, options.rounds, options.global_batch),
+        args=(spec, topology, steps, options.rounds, options.global_batch, options.device),
         timeout=3000,
         name=f"{topology} both modes",
     )[0]
     figures = _summary(runs, options.warmup)
-    memory_args = (spec, topology, steps, options.global_batch)
+    memory_args = (spec, topology, steps, options.global_batch, options.device)
     peak_mib = {
         mode: max(
             run_world(

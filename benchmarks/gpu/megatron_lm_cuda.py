@@ -2,10 +2,11 @@
 
 `tests/megatron_lm_gpt.py` (the shape of `pretrain_gpt.py`) under `torchrun`, world size 1, on CUDA + NCCL, the
 local layer spec, bf16, with `MEGATRON_PLUGINS=lora_correct` and nothing else of this project. Megatron-LM's GPU
-defaults stay on except three the test machine cannot run, each named: `--no-gradient-accumulation-fusion`
+defaults stay on except four the test machine cannot run, each named: `--no-gradient-accumulation-fusion`
 (APEX's fused weight-grad kernel is not installed; `tests/test_gpu_defaults_on_cpu.py` runs that path on CPU with
-the kernel's definition), `--no-rope-fusion` (needs Transformer Engine) and `--no-masked-softmax-fusion` (needs
-Megatron's legacy CUDA kernels, built from a source tree). The LoRA runs add the distributed optimizer with
+the kernel's definition), `--no-persist-layer-norm` (APEX's; without it Megatron's torch norm asserts),
+`--no-rope-fusion` (needs Transformer Engine) and `--no-masked-softmax-fusion` (needs Megatron's legacy CUDA
+kernels, built from a source tree). The LoRA runs add the distributed optimizer with
 overlapped grad reduction and param gather.
 
 Runs: a base without the plugin (`--save`), then LoRA fine-tunes of it, one with full checkpoints (base weights
@@ -35,8 +36,8 @@ sys.path.insert(0, str(REPO / "tests"))
 import megatron_lm_checkpoints as checkpoints  # noqa: E402
 import megatron_lm_runs as runs  # noqa: E402
 
-GPU_ARGS = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-rope-fusion",
-            "--no-masked-softmax-fusion", "--eval-iters", "0", "--eval-interval", "1000"]
+GPU_ARGS = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+            "--no-rope-fusion", "--no-masked-softmax-fusion", "--eval-iters", "0", "--eval-interval", "1000"]
 LORA_ARGS = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 
 
