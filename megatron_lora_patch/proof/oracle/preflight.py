@@ -57,7 +57,7 @@ class Plan:
         return {
             "topology": str(self.topology),
             "world_size": self.topology.world_size,
-            "device": DEVICE_WORDS[self.device],
+            "device": f"{self.device}+{'gloo' if self.device == 'cpu' else 'nccl'}",
             "layers": {
                 "yours": args.num_layers,
                 "kept": spec.num_layers,

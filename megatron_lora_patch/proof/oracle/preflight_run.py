@@ -1,9 +1,8 @@
 """Running a preflight plan (docs/fail-closed.md, "preflight"; the plan is made by `preflight.make_plan`):
-the world-size-1 reference and the user's topology as worlds on the plan's device (CPU + gloo, or one GPU
-per rank + NCCL) with the user's patches (and a mutation
-where asked), compared like the oracle (bf16: against an fp32 reference within the one-rank bf16 run's own
-error, proof/oracle/bf16_rule.py), into a `PreflightReport` that says where a mismatch starts and
-where it drifts most."""
+the world-size-1 reference and the user's topology as worlds on the plan's device (CPU + gloo, or one GPU per
+rank + NCCL) with the user's patches (and a mutation where asked), compared like the oracle (bf16: against an
+fp32 reference within the one-rank bf16 run's own error, proof/oracle/bf16_rule.py), into a `PreflightReport`
+that says where a mismatch starts and where it drifts most."""
 
 from __future__ import annotations
 
@@ -50,7 +49,7 @@ def run_plan(plan: Plan):
         phases, routing, error, limits = _compare(plan, records, reference, truth)
         report.settings["thresholds"] = limits.thresholds
         if truth is not None:
-            report.settings["bf16_noise"] = {f"{phase} step {n}": error for (phase, n), error in limits.noise.items()}
+            report.settings["bf16_noise"] = {f"{phase} step {n}": value for (phase, n), value in limits.noise.items()}
     wall_s = max((record.get("wall_s", 0.0) for record in records or ()), default=0.0) if error is None else 0.0
     routing, note = routing_verdict(routing, plan.spec.dtype)
     report.topologies.append(
@@ -106,7 +105,7 @@ def _compare(plan: Plan, records, reference, truth=None):
     limits = plan.limits
     try:
         shapes = adapter_shapes(reference)
-        expected = canonical_phases(truth or reference, plan.spec, shapes)
+        expected = canonical_phases(reference if truth is None else truth, plan.spec, shapes)
         if truth is not None:
             limits = relative_limits(canonical_phases(reference, plan.spec, shapes), expected, plan.steps)
         phases = compare(canonical_phases(records, plan.spec, shapes), expected, limits)
