@@ -100,7 +100,7 @@ def train_state_world(rank: int, world: int, topology: str, spec, environ: dict,
     from megatron_lora_patch.handoff import adapter_state
     from megatron_lora_patch.lora.checkpoints.checkpoint import save_adapters
     from megatron_lora_patch.lora.config import LoraConfig
-    from megatron_lora_patch.proof.testbed import driver
+    from megatron_lora_patch.proof.testbed import model_setup
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
 
@@ -108,8 +108,8 @@ def train_state_world(rank: int, world: int, topology: str, spec, environ: dict,
     parsed, settings = Topology.parse(topology), resume_worker.SETTINGS
     with parsed.world(seed=settings.seed):
         model = build_model(spec, parsed, seed=settings.seed, **hf_qwen2_moe.build_options(spec, settings.seed))
-        chunks = driver._wrap_like_get_model(model, settings)
-        optimizer = driver._build_optimizer(chunks, settings)
+        chunks = model_setup.wrap_like_get_model(model, settings)
+        optimizer = model_setup.build_optimizer(chunks, settings)
         chunks[0].config.grad_scale_func = optimizer.scale_loss
         chunks[0].config.finalize_model_grads_func = finalize_model_grads
         for step in range(steps):

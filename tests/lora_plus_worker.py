@@ -24,11 +24,11 @@ def _build(spec, topology, ratio: float, distributed: bool, lora_seed: int = 5):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_lora_patch.proof.testbed import driver
+    from megatron_lora_patch.proof.testbed import model_setup
     from megatron_lora_patch.proof.testbed.models import build_model
 
     settings = dataclasses.replace(resume_worker.SETTINGS, use_distributed_optimizer=distributed)
-    chunks = driver._wrap_like_get_model(build_model(spec, topology, seed=settings.seed), settings)
+    chunks = model_setup.wrap_like_get_model(build_model(spec, topology, seed=settings.seed), settings)
     optimizer = get_megatron_optimizer(_optimizer_config(chunks, distributed), chunks)
     chunks[0].config.grad_scale_func = optimizer.scale_loss
     chunks[0].config.finalize_model_grads_func = finalize_model_grads

@@ -75,15 +75,15 @@ def train_world(
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron_lora_patch.proof.testbed import driver
+    from megatron_lora_patch.proof.testbed import model_setup
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
 
     persistence_worker.setup(persistence_worker.lora_config(lora_seed), TRAINING_PATCHES)
     parsed = Topology.parse(topology)
     with parsed.world(seed=SETTINGS.seed):
-        chunks = driver._wrap_like_get_model(build_model(spec, parsed, seed=SETTINGS.seed), SETTINGS)
-        optimizer = driver._build_optimizer(chunks, SETTINGS)
+        chunks = model_setup.wrap_like_get_model(build_model(spec, parsed, seed=SETTINGS.seed), SETTINGS)
+        optimizer = model_setup.build_optimizer(chunks, SETTINGS)
         config = chunks[0].config
         config.grad_scale_func = optimizer.scale_loss
         config.finalize_model_grads_func = finalize_model_grads
@@ -112,15 +112,15 @@ def train_and_save_world(
     from megatron.core.distributed import finalize_model_grads
 
     from megatron_lora_patch.lora.checkpoints.checkpoint import save_adapters
-    from megatron_lora_patch.proof.testbed import driver
+    from megatron_lora_patch.proof.testbed import model_setup
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
 
     persistence_worker.setup(persistence_worker.lora_config(lora_seed), TRAINING_PATCHES)
     parsed = Topology.parse(topology)
     with parsed.world(seed=SETTINGS.seed):
-        chunks = driver._wrap_like_get_model(build_model(spec, parsed, seed=SETTINGS.seed), SETTINGS)
-        optimizer = driver._build_optimizer(chunks, SETTINGS)
+        chunks = model_setup.wrap_like_get_model(build_model(spec, parsed, seed=SETTINGS.seed), SETTINGS)
+        optimizer = model_setup.build_optimizer(chunks, SETTINGS)
         chunks[0].config.grad_scale_func = optimizer.scale_loss
         chunks[0].config.finalize_model_grads_func = finalize_model_grads
         for step in range(steps):

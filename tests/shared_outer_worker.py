@@ -61,7 +61,7 @@ def train_world(rank: int, world: int, topology: str, spec, steps: int, director
 
     from megatron_lora_patch.handoff import adapter_state
     from megatron_lora_patch.lora.checkpoints.checkpoint import save_adapters
-    from megatron_lora_patch.proof.testbed import driver
+    from megatron_lora_patch.proof.testbed import model_setup
     from megatron_lora_patch.proof.testbed.models import build_model
     from megatron_lora_patch.proof.testbed.topology import Topology
 
@@ -73,8 +73,8 @@ def train_world(rank: int, world: int, topology: str, spec, steps: int, director
         initial = shared_factors(model)
         if break_sync:
             _unsync(model)
-        chunks = driver._wrap_like_get_model(model, settings)
-        optimizer = driver._build_optimizer(chunks, settings)
+        chunks = model_setup.wrap_like_get_model(model, settings)
+        optimizer = model_setup.build_optimizer(chunks, settings)
         chunks[0].config.grad_scale_func = optimizer.scale_loss
         chunks[0].config.finalize_model_grads_func = finalize_model_grads
         norms, shared_square = [], None

@@ -1,9 +1,8 @@
 """The in-rank training loop: Megatron-LM's `train_step`, on the testbed.
 
 `train_steps` runs inside every rank after the topology initialized `parallel_state`. It builds
-the model, wraps it like Megatron-LM's `get_model` (Float16Module for half precision, Megatron
-DDP, DP broadcast), sets the config callbacks like `setup_model_and_optimizer`, builds Megatron's
-optimizer (plain or distributed) and runs K steps of `get_forward_backward_func()` over several
+the model, wraps it and builds Megatron's optimizer as Megatron-LM's `get_model` and
+`setup_model_and_optimizer` do (`testbed.model_setup`), and runs K steps of `get_forward_backward_func()` over several
 microbatches, then `optimizer.step()` (clipping inside). It returns a picklable record of
 everything the oracle compares, in the rank's local layout.
 """
@@ -17,6 +16,13 @@ import torch
 
 from megatron_lora_patch.proof.testbed import data as testing_data
 from megatron_lora_patch.proof.testbed import distributed_optimizer, packing
+from megatron_lora_patch.proof.testbed.model_setup import (
+    MEGATRON_FINALIZE,
+    build_optimizer,
+    resolve_finalize,
+    set_sync_callbacks,
+    wrap_like_get_model,
+)
 from megatron_lora_patch.proof.testbed.pretrain import PER_TOKEN, forward_step_for, reduced_lm_loss
 from megatron_lora_patch.proof.testbed.rank import to_cpu
 from megatron_lora_patch.proof.testbed.recording import (
@@ -27,10 +33,6 @@ from megatron_lora_patch.proof.testbed.recording import (
     grad_of,
     recording_losses,
 )
-
-#: Sentinel for `finalize_model_grads_func`: resolve Megatron's function when the run starts, so a patch
-#: that wrapped `megatron.core.distributed.finalize_model_grads` is picked up, as Megatron-LM's would be.
-MEGATRON_FINALIZE = "megatron"
 
 
 def trainable(name: str, param: torch.nn.Parameter) -> bool:
@@ -119,72 +121,6 @@ def _rank_coordinates() -> Dict[str, int]:
         "ep_size": ps.get_expert_model_parallel_world_size(),
         "etp_size": ps.get_expert_tensor_parallel_world_size(),
     }
-
-
-def _wrap_like_get_model(chunks: list, settings: TrainSettings) -> list:
-    """Megatron-LM `get_model`: attribute defaults, Float16Module, DDP, DP broadcast."""
-    from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.transformer.module import Float16Module
-
-    config = chunks[0].config
-    for chunk in chunks:
-        for param in chunk.parameters():
-            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-    if settings.device == "cuda":
-        chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
-    if settings.calculate_per_token_loss is not None:
-        # Must happen before DDP is built: DDP picks its pre-reduction scaling from it.
-        config.calculate_per_token_loss = settings.calculate_per_token_loss
-    if config.fp16 or config.bf16:
-        chunks = [Float16Module(config, chunk) for chunk in chunks]
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=settings.overlap_grad_reduce,
-        overlap_param_gather=settings.overlap_param_gather,
-        bucket_size=settings.ddp_bucket_size,
-        use_distributed_optimizer=settings.use_distributed_optimizer,
-        # average_in_collective is incompatible with per-token loss (DDP asserts it).
-        average_in_collective=False,
-    )
-    wrapped = [
-        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
-        for index, chunk in enumerate(chunks)
-    ]
-    for chunk in wrapped:
-        chunk.broadcast_params()
-    return wrapped
-
-
-def _build_optimizer(chunks: list, settings: TrainSettings):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    config = chunks[0].config
-    optimizer_config = OptimizerConfig(
-        optimizer="adam",
-        lr=settings.lr,
-        min_lr=settings.lr,
-        weight_decay=settings.weight_decay,
-        adam_eps=settings.adam_eps,
-        clip_grad=settings.clip_grad,
-        fp16=config.fp16,
-        bf16=config.bf16,
-        params_dtype=config.params_dtype,
-        use_distributed_optimizer=settings.use_distributed_optimizer,
-    )
-    return get_megatron_optimizer(optimizer_config, chunks)
-
-
-def _resolve_finalize(choice: Union[str, Callable, None]) -> Optional[Callable]:
-    if choice == MEGATRON_FINALIZE:
-        from megatron.core import distributed
-
-        return distributed.finalize_model_grads
-    if choice is None or callable(choice):
-        return choice
-    raise ValueError(
-        f"finalize_model_grads_func must be {MEGATRON_FINALIZE!r}, None or a callable; got {choice!r}"
-    )
 
 
 def _single_chunk(chunks: list) -> torch.nn.Module:
@@ -290,12 +226,12 @@ def _build_run(spec, topology, settings: TrainSettings) -> _Run:
     )
     if settings.on_model_built is not None:
         settings.on_model_built(chunks)
-    chunks = _wrap_like_get_model(chunks, settings)
-    optimizer = _build_optimizer(chunks, settings)
+    chunks = wrap_like_get_model(chunks, settings)
+    optimizer = build_optimizer(chunks, settings)
     config = chunks[0].config
     config.grad_scale_func = optimizer.scale_loss
-    config.finalize_model_grads_func = _resolve_finalize(settings.finalize_model_grads_func)
-    _set_sync_callbacks(config, chunks, settings)
+    config.finalize_model_grads_func = resolve_finalize(settings.finalize_model_grads_func)
+    set_sync_callbacks(config, chunks, settings)
     losses: List[dict] = []
     return _Run(
         chunks=chunks,
@@ -308,17 +244,6 @@ def _build_run(spec, topology, settings: TrainSettings) -> _Run:
             settings.global_batch_size, settings.micro_batch_size, parallel_state.get_data_parallel_world_size()
         ),
     )
-
-
-def _set_sync_callbacks(config, chunks: list, settings: TrainSettings) -> None:
-    """The DDP callbacks Megatron-LM's `train` sets for the overlap options (its defaults `align_grad_reduce`
-    on, `align_param_gather` off): the schedule's `no_sync` around all but the last microbatch, and the
-    grad-sync start the pipeline schedules call per chunk."""
-    if settings.overlap_grad_reduce:
-        config.no_sync_func = [chunk.no_sync for chunk in chunks]
-        config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
-        if len(chunks) == 1:
-            config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
 
 
 def _synced_params(run: _Run, settings: TrainSettings) -> dict:
