@@ -25,7 +25,7 @@ if importlib.util.find_spec("megatron.training") is None:  # absent only: an imp
 from preflight_cases import DENSE, cli  # noqa: E402
 
 from megatron_lora_patch.proof.oracle import preflight_device, thresholds  # noqa: E402
-from megatron_lora_patch.proof.oracle.bf16_rule import FACTOR, relative_limits  # noqa: E402
+from megatron_lora_patch.proof.oracle.bf16_rule import FACTOR, RelativeLimits, relative_limits  # noqa: E402
 from megatron_lora_patch.proof.oracle.phases import compare  # noqa: E402
 from megatron_lora_patch.runtime.errors import UsageError  # noqa: E402
 
@@ -65,8 +65,9 @@ def test_a_topology_within_the_factor_passes_and_beyond_it_fails():
     assert compare(within, FP32, limits)["loss"].passed
     beyond = _off_by(FP32, {"step0.lm_loss": 1.2 * FACTOR * 1e-3})
     assert not compare(beyond, FP32, limits)["loss"].passed
-    # Judged per step by that step's own one-rank error (no envelope), step 1 would fail this correct-looking run.
-    assert 0.8 * FACTOR * 1e-3 > FACTOR * 1e-4
+    # The rule's mutation: each step judged by its own one-rank error (no envelope) fails this run at step 1's dip.
+    per_step = RelativeLimits(2, {("loss", 0): FACTOR * 1e-3, ("loss", 1): FACTOR * 1e-4}, {})
+    assert not compare(within, FP32, per_step)["loss"].passed
 
 
 def test_a_nan_in_the_one_rank_run_is_an_error_not_a_free_pass():
