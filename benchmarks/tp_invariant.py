@@ -104,8 +104,9 @@ def _train(spec, topology_text, invariant, steps, global_batch, device) -> tuple
     import megatron_lora_patch
     from megatron_lora_patch.layout_invariant import lanes
     from megatron_lora_patch.lora.config import LoraConfig, set_active
-    from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings, train_steps
+    from megatron_lora_patch.proof.testbed.driver import train_steps
     from megatron_lora_patch.proof.testbed.patches import apply_only
+    from megatron_lora_patch.proof.testbed.settings import Capture, TrainSettings
     from megatron_lora_patch.proof.testbed.topology import Topology
 
     _FORWARD["device"] = device

@@ -25,8 +25,8 @@ import torch
 
 from megatron_lora_patch.proof.oracle.harness import oracle_job
 from megatron_lora_patch.proof.oracle.settings import OracleSettings
-from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings
 from megatron_lora_patch.proof.testbed.runner import Job, run_jobs
+from megatron_lora_patch.proof.testbed.settings import Capture, TrainSettings
 
 #: Every module a default LoRA target adapts, under Llama's names.
 PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -12,7 +12,7 @@ from typing import Optional
 
 import persistence_worker
 
-from megatron_lora_patch.proof.testbed.driver import TrainSettings
+from megatron_lora_patch.proof.testbed.settings import TrainSettings
 
 TRAINING_PATCHES = persistence_worker.PATCHES + ("finalize_grads", "loss_normalization")
 SETTINGS = TrainSettings(global_batch_size=4, lr=1e-2)

@@ -27,10 +27,10 @@ from cp_mask_worker import document_mask, masked_attention_rank, masked_inputs
 from error_metrics import assert_steps_within, first_step, relative_l2_error
 
 from megatron_lora_patch.proof.oracle.metrics import compare_results
-from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings
 from megatron_lora_patch.proof.testbed.launcher import run_world
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 from megatron_lora_patch.proof.testbed.runner import Job, canonical_result, run_jobs
+from megatron_lora_patch.proof.testbed.settings import Capture, TrainSettings
 
 #: fp32 tolerance (relative L2 per tensor, worst over tensors and microbatches) on everything
 #: computed before the first optimizer update (first-step losses, grad norm and grads): only the

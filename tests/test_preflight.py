@@ -230,18 +230,19 @@ def test_data_path_feeds_both_runs_the_first_tokens_and_passes(user_environ, tmp
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     from megatron_lora_patch.proof.testbed import driver
+    from megatron_lora_patch.proof.testbed import settings as testbed_settings
 
     prefix = _corpus(tmp_path)
     plan = preflight.make_plan(options(_with_data([*DENSE, *TP2_SP], "1.0", prefix)))
     assert plan.data_path == prefix and plan.describe()["data"] == prefix
-    settings = driver.TrainSettings(steps=2, global_batch_size=4, data_path=prefix)
+    settings = testbed_settings.TrainSettings(steps=2, global_batch_size=4, data_path=prefix)
     batches = driver._global_batches(plan.spec, settings)
     per_step = 4 * (plan.spec.seq_length + 1)
     first = _first_tokens(IndexedDataset(prefix), 2 * per_step)
     for step, batch in enumerate(batches):
         expected = first[step * per_step : (step + 1) * per_step].reshape(4, -1)
         assert (batch["tokens"] == expected[:, :-1]).all() and (batch["labels"] == expected[:, 1:]).all()
-    mock = driver._global_batches(plan.spec, driver.TrainSettings(steps=1, global_batch_size=4))
+    mock = driver._global_batches(plan.spec, testbed_settings.TrainSettings(steps=1, global_batch_size=4))
     assert not (mock[0]["tokens"] == batches[0]["tokens"]).all()  # control: the data path changed the tokens
     assert_passed(preflight_run.run_plan(plan), "tp2-sp", ["dense"])
 

@@ -19,10 +19,10 @@ from error_metrics import assert_steps_within, first_step, relative_l2_error
 
 from megatron_lora_patch.proof.oracle.metrics import compare_results
 from megatron_lora_patch.proof.testbed.data import dp_rank_microbatches, make_global_batch
-from megatron_lora_patch.proof.testbed.driver import TrainSettings
 from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 from megatron_lora_patch.proof.testbed.pretrain import LEGACY_MEAN
 from megatron_lora_patch.proof.testbed.runner import Job, canonical_result, run_jobs
+from megatron_lora_patch.proof.testbed.settings import TrainSettings
 
 #: fp32 tolerance on every phase of the first step (relative L2 per tensor, worst over tensors): only the
 #: order of sums differs. The negative controls below differ by > 1e-3 there.

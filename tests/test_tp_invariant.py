@@ -51,8 +51,9 @@ def _forward_modules(name, module) -> bool:
 
 def _train(rank, world_size, spec, topology_text, invariant):
     from megatron_lora_patch.lora.config import LoraConfig, set_active
-    from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings, train_steps
+    from megatron_lora_patch.proof.testbed.driver import train_steps
     from megatron_lora_patch.proof.testbed.patches import apply_only
+    from megatron_lora_patch.proof.testbed.settings import Capture, TrainSettings
     from megatron_lora_patch.proof.testbed.topology import Topology
 
     wanted = set(BASE_PATCHES) | ({"tp_invariant"} if invariant else set())

@@ -64,8 +64,9 @@ def _gather_a_weight(original):
 def _train(rank, world_size, topology_text, gather_weight):
     from megatron_lora_patch.layout_invariant.tensor_parallel import segmented
     from megatron_lora_patch.lora.config import LoraConfig, set_active
-    from megatron_lora_patch.proof.testbed.driver import TrainSettings, train_steps
+    from megatron_lora_patch.proof.testbed.driver import train_steps
     from megatron_lora_patch.proof.testbed.patches import apply_only
+    from megatron_lora_patch.proof.testbed.settings import TrainSettings
     from megatron_lora_patch.proof.testbed.topology import Topology
 
     apply_only(PATCHES, strict=True)

@@ -48,10 +48,10 @@ from megatron_lora_patch.proof.oracle.settings import (  # noqa: F401  (harness.
     model_name,
     settings_for,
 )
-from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings
 from megatron_lora_patch.proof.testbed.launcher import WorldError
 from megatron_lora_patch.proof.testbed.packing import cu_seqlens_of
 from megatron_lora_patch.proof.testbed.runner import Job, run_jobs
+from megatron_lora_patch.proof.testbed.settings import Capture, TrainSettings
 from megatron_lora_patch.proof.testbed.topology import Topology
 from megatron_lora_patch.runtime.patching import Patcher
 

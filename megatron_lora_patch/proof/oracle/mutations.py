@@ -7,7 +7,7 @@ A mutation changes a run in up to four ways, all applied in every rank of the jo
 - `install(patcher)`: runs after the oracle turned its patches on and before the model
   is built; every change goes through the `Patcher` (reverted when the job ends). It
   must be a module-level function (jobs are pickled to spawned ranks).
-- `settings`: overrides of `testbed.driver.TrainSettings` fields.
+- `settings`: overrides of `testbed.settings.TrainSettings` fields.
 - `lora`: overrides of `lora.config.LoraConfig` fields.
 - `options`: `LoraConfig` fields of the feature whose bug it re-introduces (e.g. `modules_to_save`);
   unlike `lora`, its world-1 reference runs with them too.

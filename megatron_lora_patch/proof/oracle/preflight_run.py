@@ -64,9 +64,9 @@ def _run(plan: Plan, topology, mutation):
     """(rank records, None) or (None, the world's error text)."""
     from megatron_lora_patch.proof.oracle import canonical
     from megatron_lora_patch.proof.oracle.harness import _on_step_end
-    from megatron_lora_patch.proof.testbed.driver import Capture, TrainSettings
     from megatron_lora_patch.proof.testbed.launcher import WorldError
     from megatron_lora_patch.proof.testbed.runner import Job, run_jobs
+    from megatron_lora_patch.proof.testbed.settings import Capture, TrainSettings
 
     micro_batch_size = plan.spec.args.micro_batch_size
     capture = Capture(

@@ -5,16 +5,11 @@ its DP broadcast; Megatron's optimizer; the config callbacks `train` sets for th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
-if TYPE_CHECKING:
-    from megatron_lora_patch.proof.testbed.driver import TrainSettings
-
-#: Sentinel for `finalize_model_grads_func`: resolve Megatron's function when the run starts, so a patch
-#: that wrapped `megatron.core.distributed.finalize_model_grads` is picked up, as Megatron-LM's would be.
-MEGATRON_FINALIZE = "megatron"
+from megatron_lora_patch.proof.testbed.settings import MEGATRON_FINALIZE, TrainSettings
 
 
 def wrap_like_get_model(chunks: list, settings: TrainSettings) -> list:

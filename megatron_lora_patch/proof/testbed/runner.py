@@ -18,8 +18,9 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 
 from megatron_lora_patch.proof.testbed.data import num_microbatches_for
-from megatron_lora_patch.proof.testbed.driver import TrainSettings, train_steps
+from megatron_lora_patch.proof.testbed.driver import train_steps
 from megatron_lora_patch.proof.testbed.launcher import run_world
+from megatron_lora_patch.proof.testbed.settings import TrainSettings
 from megatron_lora_patch.proof.testbed.topology import Topology
 
 DEFAULT_TIMEOUT_S = 300.0
