@@ -16,6 +16,7 @@ from test_fail_closed_lora import ACTIVATE, BUILD
 from megatron_lora_patch.lora.config import LoraConfig, LoraConfigError, code_labels
 from megatron_lora_patch.lora.exchange.names import PeftFormatError
 from megatron_lora_patch.lora.layers.dora_scope import refuse_unproven_dora
+from megatron_lora_patch.proof.testbed.models import TinyGPTSpec
 from megatron_lora_patch.runtime.flags import ACCEPTED_BOOLEANS
 
 
@@ -123,3 +124,44 @@ def test_layout_invariant_refuses_dora():
                                       expert=False))
     with pytest.raises(LayoutInvariantUnsupported, match="^layout_invariant: DoRA's magnitudes are not proven"):
         checks.check_training(config, module)
+
+
+def _merge_calls(calls: dict, dora: bool = True) -> list:
+    import dora_peft_worker
+
+    from megatron_lora_patch.proof.testbed.launcher import run_world
+
+    return run_world(dora_peft_worker.merge_calls_world, 2, args=("tp2", TinyGPTSpec(), 3, dora, calls), name="tp2",
+                     timeout=180)
+
+
+ADAPTERS_PER_LAYER = 4  # linear_qkv, linear_proj, linear_fc1, linear_fc2
+MERGE_BOUND_S = 60.0  # far under the process group's timeout (10 to 30 minutes), where a hang would end
+COLLECTIVE = "it is collective: every rank must pass the same model chunks to merge_adapters"
+
+
+def test_a_dora_merge_a_tp_peer_never_calls_is_named_in_one_line_within_the_timeout():
+    """DoRA's row-parallel merge all-reduces the row norms over TP: a peer that never calls used to hang the group."""
+    ranks = _merge_calls({0: [("model", 3.0)], 1: [None]})
+    (refused, seconds), = ranks[0]
+    assert refused == ("merge_adapters: rank 1 did not call it within 3 s of rank 0; it is collective: call it on "
+                       "every rank of its tensor-parallel group (or pass a larger timeout if a rank is only late)")
+    assert 3.0 <= seconds < MERGE_BOUND_S
+
+
+def test_a_dora_merge_of_other_layers_on_a_tp_peer_is_one_line_on_both_then_they_merge():
+    """Control: after the refused call the ranks are in step, and the same chunks on both merge every adapter."""
+    ranks = _merge_calls({0: [("model", 60.0), ("model", 60.0)], 1: [("first layer", 60.0), ("model", 60.0)]})
+    refused = ranks[0][0][0]
+    assert ranks[1][0][0] == refused
+    assert refused.startswith("merge_adapters: the ranks disagree on layers (rank 0: '4, decoder.layers.0.")
+    assert refused.endswith(COLLECTIVE + " (each rank its shards of the same layers)")
+    assert all(seconds < MERGE_BOUND_S for outcomes in ranks for _, seconds in outcomes)
+    assert ranks[0][1][0] == ranks[1][1][0] == f"merged {ADAPTERS_PER_LAYER * TinyGPTSpec().num_layers}"
+
+
+def test_a_plain_lora_merge_needs_no_peer():
+    """Plain LoRA merges each shard locally (no collective): a rank merges alone, without waiting."""
+    ranks = _merge_calls({0: [("model", 60.0)], 1: [None]}, dora=False)
+    outcome, seconds = ranks[0][0]
+    assert outcome.startswith("merged ") and seconds < 10.0

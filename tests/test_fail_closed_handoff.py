@@ -62,7 +62,7 @@ def test_a_rank_arriving_after_the_others_gave_up_is_told_at_once():
     assert ranks[0][0][0].startswith("handoff.adapter_state: rank 1 did not call it within 2 s of rank 0")
     late, seconds = ranks[1][0]
     assert late == ("handoff.adapter_state: the other ranks stopped waiting for rank 1 after their timeout; call it "
-                    "on every rank at the same point (or pass a larger timeout)")
+                    "on every rank of the world at the same point (or pass a larger timeout)")
     assert seconds < 1.0  # not another wait, and no collective the others left
 
 

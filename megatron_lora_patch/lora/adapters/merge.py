@@ -9,7 +9,9 @@ is made of local factors only (docs/architecture.md section 4):
 DoRA (PEFT's merge): `W' = m / ||W + s B A|| * (W + s B A)` per output row. The scale is exact under TP: a
 column-parallel shard holds whole rows; a row-parallel shard holds a slice of every row, and the norm is SUMmed
 over TP (`LoraAdapter.weight_norm`, one all-reduce per layer), so every rank scales its slice by the same
-factor. A model with DoRA adapters therefore merges collectively over TP: call it on every rank.
+factor. A model with DoRA adapters therefore merges collectively over TP: call it on every rank. Before the first
+all-reduce each TP group's ranks agree on the layers they reduce (`runtime.agreement`, a bounded wait on the store):
+a rank that passes other chunks, or never calls, is named in one line within `timeout` instead of hanging its group.
 
 `merge_adapters` detaches the adapters from their layers (so the forward is the plain
 base layer with merged weights) and returns them; `unmerge_adapters` divides by DoRA's row scale, subtracts the
@@ -18,12 +20,14 @@ same delta (computed in float32) and re-attaches them: the inverse up to the wei
 
 from __future__ import annotations
 
+import hashlib
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
 from megatron_lora_patch.lora.adapters.metadata import ADAPTER_NAME
+from megatron_lora_patch.runtime import agreement
 
 Merged = List[Tuple[torch.nn.Module, LoraAdapter, Optional[torch.Tensor]]]  # (layer, adapter, DoRA's row scale)
 
@@ -64,11 +68,47 @@ def _unmerge(layer: torch.nn.Module, adapter: LoraAdapter, row_scale: Optional[t
         weight.copy_((restored - delta(adapter)).to(weight.dtype))
 
 
-def merge_adapters(chunks: Iterable[torch.nn.Module]) -> Merged:
+def _reductions(layers: Iterable[torch.nn.Module]) -> Dict[Tuple[int, ...], List[str]]:
+    """The TP group (its global ranks) -> the DoRA row-parallel layers whose merge all-reduces over it, in order."""
+    import torch.distributed as dist
+
+    groups: Dict[Tuple[int, ...], List[str]] = {}
+    if not dist.is_initialized():
+        return groups
+    for layer in layers:
+        adapter = layer._modules[ADAPTER_NAME]
+        magnitude = adapter.magnitude
+        if magnitude is not None and magnitude.parallel_mode == "row" and magnitude.group is not None:
+            ranks = tuple(dist.get_process_group_ranks(magnitude.group))
+            if len(ranks) > 1:
+                groups.setdefault(ranks, []).append(adapter.module_name)
+    return groups
+
+
+def _merge_fix(field: str) -> str:
+    return "pass the same model chunks to merge_adapters (each rank its shards of the same layers)"
+
+
+def _agree_on_reductions(layers: List[torch.nn.Module], timeout: float) -> None:
+    """Each TP group's ranks agree on the layers they reduce before the first all-reduce (groups in one order on
+    every rank, so no two ranks wait for each other in opposite groups)."""
+    for ranks, names in sorted(_reductions(layers).items()):
+        digest = hashlib.sha256("|".join(names).encode()).hexdigest()[:12]  # all names, kept to one line
+        fields = {"layers": f"{len(names)}, {names[0]} to {names[-1]}", "layer names (digest)": digest}
+        call = agreement.Call("merge_adapters", "merge_adapters", fields, fix=_merge_fix, peers=ranks,
+                              peers_text="every rank of its tensor-parallel group")
+        agreement.agree(call, timeout)
+
+
+def merge_adapters(chunks: Iterable[torch.nn.Module], timeout: float = agreement.DEFAULT_TIMEOUT_S) -> Merged:
     """Merge every adapter into its layer's weight shard and detach the adapter; returns what to unmerge
-    (collective over TP when there are DoRA adapters: call on every rank)."""
+    (collective over TP when there are DoRA adapters: call on every rank; its TP peers must call within `timeout`
+    seconds, else one line names the missing rank)."""
+    agreement.check_timeout("merge_adapters", timeout)
+    layers = list(_layers_with_adapters(chunks).values())
+    _agree_on_reductions(layers, timeout)
     merged: Merged = []
-    for layer in _layers_with_adapters(chunks).values():
+    for layer in layers:
         adapter = layer._modules[ADAPTER_NAME]
         row_scale = _merge(layer, adapter)
         del layer._modules[ADAPTER_NAME]

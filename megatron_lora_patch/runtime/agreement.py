@@ -1,0 +1,114 @@
+"""Before a collective call moves anything, its ranks agree on it: the same call, the same arguments, all present.
+
+A collective that ranks enter with different arguments (each waits for a peer's part that never comes), or that one
+rank never enters, blocks the others until the process group's timeout (10 to 30 minutes) with nothing naming the
+cause. `agree` runs first, on the world's rendezvous store (no collective, so it needs no backend and cannot hang):
+each rank posts its fields under the call's key (the n-th call of its `namespace` among the same peers), counts itself
+in, and waits at most `timeout` seconds for the others. A mismatch is then the same one line on every rank; a rank
+missing at the deadline is named by the ranks that waited, and a rank arriving after they gave up learns so at once
+(the arrival counter is closed atomically, so a late rank never enters a collective the others left).
+Used by the hand-off (docs/handoff.md section 1) and the DoRA merge (docs/configuration.md, DoRA).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import json
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from megatron_lora_patch.runtime.errors import UsageError
+
+#: How long a rank waits for its peers to make the same call (seconds) unless the caller says otherwise.
+DEFAULT_TIMEOUT_S = 300.0
+_PREFIX = "megatron_lora_patch/agreement"
+_CLOSED = 1 << 40  # added to the arrival count by a rank that stops waiting: later arrivals see it
+_calls: Dict[Tuple[str, str], int] = collections.defaultdict(int)  # this rank's calls per (namespace, peers)
+
+
+class CallAgreementError(UsageError, RuntimeError):
+    """The ranks did not make the same collective call (different arguments, or a rank absent); one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One rank's collective call, as its refusals name it.
+
+    `label`: the call as the user wrote it ("handoff.stream"); `namespace`: the calls counted together (the n-th
+    call of a namespace on each peer is one collective call); `fields`: what every peer must pass alike, in the order
+    they are checked; `fix(field)`: what the user must do about a mismatch there; `peers`: the global ranks that take
+    part (None: the world), described in the refusals as `peers_text`; `error`: the UsageError subclass raised.
+    """
+
+    label: str
+    namespace: str
+    fields: Dict[str, object]
+    fix: Callable[[str], str]
+    peers: Optional[Sequence[int]] = None
+    peers_text: str = "every rank of the world"
+    error: type = CallAgreementError
+
+
+def check_timeout(label: str, timeout: float, error: type = CallAgreementError) -> None:
+    """A timeout that bounds nothing (0, negative, infinite, NaN) is refused before any rank waits."""
+    if not 0 < timeout < float("inf"):
+        raise error(f"{label}: timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def _ranks(ranks: List[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _disagreement(call: Call, peers: List[int], posts: List[dict]) -> Optional[str]:
+    """The first field the peers' posts differ in, as the one-line refusal; None when they agree."""
+    for field in call.fields:
+        values = [post.get(field) for post in posts]
+        if len(set(map(repr, values))) > 1:
+            seen = ", ".join(f"rank {rank}: {value!r}" for rank, value in zip(peers, values))
+            fix = call.fix(field)
+            return f"{call.label}: the ranks disagree on {field} ({seen}); it is collective: every rank must {fix}"
+    return None
+
+
+def _absent(call: Call, store, keys: List[str], peers: List[int], timeout: float, me: int) -> str:
+    """The refusal of a rank that waited `timeout` seconds: the peers that never posted."""
+    missing = [rank for rank, key in zip(peers, keys) if not store.check([key])]
+    return (f"{call.label}: {_ranks(missing or [me])} did not call it within {timeout:g} s of rank {me}; it is "
+            f"collective: call it on {call.peers_text} (or pass a larger timeout if a rank is only late)")
+
+
+def agree(call: Call, timeout: float) -> None:
+    """Return once every peer made this call with the same fields; else a one-line `call.error` on each rank (every
+    peer present: the same line on all). One peer, or no process group: nothing to agree."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    check_timeout(call.label, timeout, call.error)
+    if not dist.is_initialized():
+        return
+    me = dist.get_rank()
+    peers = sorted(call.peers) if call.peers is not None else list(range(dist.get_world_size()))
+    if len(peers) < 2:
+        return
+    group = "-".join(map(str, peers))
+    _calls[(call.namespace, group)] += 1
+    store = distributed_c10d._get_default_store()
+    prefix = f"{_PREFIX}/{call.namespace}/{group}/{_calls[(call.namespace, group)]}"
+    keys = [f"{prefix}/args/{rank}" for rank in peers]
+    store.set(keys[peers.index(me)], json.dumps(call.fields))
+    arrived = store.add(f"{prefix}/arrived", 1)
+    if arrived > _CLOSED:
+        raise call.error(f"{call.label}: the other ranks stopped waiting for rank {me} after their timeout; call it "
+                         f"on {call.peers_text} at the same point (or pass a larger timeout)")
+    if arrived == len(peers):
+        store.set(f"{prefix}/complete", "1")
+    else:
+        try:
+            store.wait([f"{prefix}/complete"], datetime.timedelta(seconds=timeout))
+        except RuntimeError:  # DistStoreError: the deadline passed; close the call unless the last rank just came
+            if store.add(f"{prefix}/arrived", _CLOSED) % _CLOSED < len(peers):
+                raise call.error(_absent(call, store, keys, peers, timeout, me)) from None
+    problem = _disagreement(call, peers, [json.loads(store.get(key)) for key in keys])
+    if problem:
+        raise call.error(problem)
