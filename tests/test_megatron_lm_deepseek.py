@@ -1,6 +1,7 @@
 """Megatron-LM's own training loop with DeepSeek-V3's flags (issue 39 item 5): multi-latent attention with a query
-latent (`--multi-latent-attention --q-lora-rank ...`) and DeepSeek's MoE (sigmoid router with expert bias,
-group-limited top-k, routed scaling factor, a shared expert, a leading dense layer through `--moe-layer-freq`).
+latent and the latent norms (`--multi-latent-attention --q-lora-rank ... --qk-layernorm`) and DeepSeek's MoE
+(sigmoid router with expert bias, group-limited top-k, routed scaling factor, a shared expert, a leading dense layer
+through `--moe-layer-freq`).
 
 `megatron_lm_gpt.py` builds the model from Megatron-LM's arguments (its local spec; `cpu_testbed` gives MLA a CPU
 core attention). A base pretrained without LoRA (one iteration) is fine-tuned 4 iterations on one rank with
@@ -38,7 +39,7 @@ assert MODEL_ARGS[_GQA + 1] == "--num-query-groups"
 MLA_ARGS = [
     *MODEL_ARGS[:_GQA],
     *MODEL_ARGS[_GQA + 3 :],
-    *("--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "12"),
+    *("--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "12", "--qk-layernorm"),
     *("--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12"),
 ]
 MOE_ARGS = [

@@ -10,6 +10,7 @@ rank's own token counts must fail. The rules of the cut are checked on the plan 
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 
@@ -23,11 +24,13 @@ from preflight_cases import DENSE, TP2_SP, assert_passed, options, user_environ 
 
 from megatron_lora_patch.proof.oracle import preflight, preflight_run  # noqa: E402
 from megatron_lora_patch.proof.testbed.args_cuts import estimate_parameters  # noqa: E402
+from megatron_lora_patch.runtime.errors import UsageError  # noqa: E402
 
+EP2 = ["--expert-model-parallel-size", "2"]
 DEEPSEEK_V3 = [
     *DENSE[DENSE.index("--swiglu") : DENSE.index("--seq-length")],  # swiglu, RMSNorm, rope, no biases, untied
     *"--num-layers 61 --hidden-size 7168 --num-attention-heads 128 --ffn-hidden-size 18432".split(),
-    *"--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512".split(),
+    *"--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 --qk-layernorm".split(),  # latent norms
     *"--qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128".split(),
     *"--num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048 --moe-token-dispatcher-type allgather".split(),
     *"--moe-router-num-groups 8 --moe-router-group-topk 4 --moe-router-score-function sigmoid".split(),
@@ -35,7 +38,7 @@ DEEPSEEK_V3 = [
     *"--moe-shared-expert-intermediate-size 2048 --moe-layer-freq ([0]*3+[1]*58)".split(),
     *"--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --global-batch-size 64".split(),
     *"--lr 1e-4 --train-iters 100 --mock-data --tokenizer-type NullTokenizer --vocab-size 129280".split(),
-    *"--expert-model-parallel-size 2".split(),
+    *EP2,
 ]
 TINY = dict(seq_length=16, max_parameters=0.5)  # 0.5M parameters: the cut model trains in seconds
 CUT_LINE = (
@@ -56,6 +59,52 @@ def test_deepseek_v3_flags_run_cut_to_fit_and_a_local_expert_bias_fails(user_env
     mutated = preflight_run.run_plan(preflight.make_plan(options(DEEPSEEK_V3, mutation="expert_bias_from_local_counts",
                                                                  **TINY)))
     assert not mutated.passed and mutated.drift["layer_kind"] == "moe", mutated.drift
+
+
+def test_the_kv_adapter_after_the_latent_norm_fails_the_cut_model(user_environ):
+    """PEFT's kv_a_proj_with_mqa adapter sits before kv_a_layernorm; added after it, the cut model must fail at EP2
+    (measured: forward 1.8e5x its threshold)."""
+    mutated = preflight_run.run_plan(preflight.make_plan(options(DEEPSEEK_V3, mutation=KV_AFTER_NORM, **TINY)))
+    assert not mutated.passed and mutated.topologies[0].error is None, mutated.table()
+    forward = mutated.topologies[0].phases["forward"]
+    assert forward.rel_l2 > 100 * forward.threshold, mutated.table()
+
+
+def test_a_partial_rope_key_grad_fails_the_cut_model_at_tp2_sp(user_environ):
+    """Megatron's local-spec MLA leaves the RoPE key's grad a partial sum over TP (lora_linear sums it): undone, the
+    cut model at TP2 + SP must fail (measured: loss 101x, grads 2.1e3x its threshold; forward unchanged)."""
+    at_tp2 = [*DEEPSEEK_V3[: -len(EP2)], *TP2_SP]
+    mutated = preflight_run.run_plan(preflight.make_plan(options(at_tp2, mutation="mla_rope_key_grad_partial", **TINY)))
+    assert not mutated.passed and mutated.topologies[0].error is None, mutated.table()
+    grads = mutated.topologies[0].phases["grads"]
+    assert grads.rel_l2 > 100 * grads.threshold, mutated.table()
+
+
+KV_AFTER_NORM = "kv_adapter_after_latent_layernorm"
+WITHOUT_LATENT_NORMS = [argument for argument in DEEPSEEK_V3 if argument != "--qk-layernorm"]
+UNCHANGED_RUNS = {  # a mutation the arguments leave nothing to change in is refused, never a vacuous pass
+    KV_AFTER_NORM: (
+        WITHOUT_LATENT_NORMS,
+        f"mutation {KV_AFTER_NORM} needs MLA's latent norms (--qk-layernorm); your arguments have no --qk-layernorm",
+    ),
+    "mla_rope_key_grad_partial": (
+        DEEPSEEK_V3,
+        "mutation mla_rope_key_grad_partial needs tensor parallelism (--tensor-model-parallel-size 2 or more); your "
+        "arguments have --tensor-model-parallel-size 1",
+    ),
+    "mla_down_projection_grad_not_summed": (
+        DENSE,
+        "mutation mla_down_projection_grad_not_summed needs multi-latent attention (--multi-latent-attention); your "
+        "arguments have no --multi-latent-attention",
+    ),
+}
+
+
+@pytest.mark.parametrize("mutation", UNCHANGED_RUNS)
+def test_an_mla_mutation_the_model_cannot_show_is_refused(user_environ, mutation):
+    arguments, message = UNCHANGED_RUNS[mutation]
+    with pytest.raises(UsageError, match="^" + re.escape(message) + "$"):
+        preflight.make_plan(options(arguments, mutation=mutation, **TINY))
 
 
 def test_the_cut_keeps_the_structure_and_stops_as_soon_as_it_fits(user_environ):

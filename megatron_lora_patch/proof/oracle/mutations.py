@@ -22,7 +22,7 @@ where the real bug lived, and patches a function where it is looked up at call t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 from megatron_lora_patch.proof.oracle.known_bugs import (
     adapter_pre_hooks_not_fired,
@@ -62,6 +62,9 @@ from megatron_lora_patch.proof.oracle.known_bugs_packed import (
 )
 from megatron_lora_patch.runtime.patching import Patcher
 
+_MLA = ("--multi-latent-attention", "multi-latent attention")
+_TP = ("--tensor-model-parallel-size", "tensor parallelism")
+
 
 @dataclasses.dataclass(frozen=True)
 class Mutation:
@@ -75,6 +78,9 @@ class Mutation:
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     patches: Mapping[str, bool] = dataclasses.field(default_factory=dict)
     data: str = ""  # the data layout it needs ("packed"), its reference too; "" runs the oracle's
+    # (Megatron-LM flag, what it gives) the user's arguments must set for the bug to change anything (a number: 2 or
+    # more); the preflight refuses the mutation without them rather than pass a run it left unchanged
+    needs: Tuple[Tuple[str, str], ...] = ()
 
 
 # -- the registry --------------------------------------------------------------------------
@@ -285,6 +291,7 @@ _ALL = (
         "tp2-sp",
         model="mla",
         install=skip_tp_sum_mla_down_projection,
+        needs=(_MLA, _TP),
     ),
     Mutation(
         "kv_adapter_after_latent_layernorm",
@@ -293,6 +300,8 @@ _ALL = (
         "dp2",
         model="mla",
         install=kv_adapter_after_latent_norm,
+        # Megatron's local spec builds kv_layernorm only with --qk-layernorm (else IdentityOp: nothing to be after)
+        needs=(_MLA, ("--qk-layernorm", "MLA's latent norms")),
     ),
     Mutation(
         "mla_rope_key_grad_partial",
@@ -301,6 +310,7 @@ _ALL = (
         "tp2",
         model="mla",
         install=partial_rope_key_grad,
+        needs=(_MLA, _TP),
     ),
     Mutation(
         "expert_bias_from_local_counts",

@@ -195,11 +195,15 @@ def _check_mutation(mutation, spec, args: argparse.Namespace) -> None:
             f"mutation {mutation.name} needs a MoE router with the expert bias; your arguments have no "
             "--moe-router-enable-expert-bias"
         )
-    if mutation.model == "mla":
-        raise UsageError(
-            f"mutation {mutation.name} needs multi-latent attention, which the preflight does not build; run it "
-            f"with `megatron-lora-patch oracle --mutations {mutation.name}`"
-        )
+    for flag, gives in mutation.needs:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if isinstance(value, bool) or not isinstance(value, int):
+            if not value:
+                raise UsageError(f"mutation {mutation.name} needs {gives} ({flag}); your arguments have no {flag}")
+        elif value < 2:
+            raise UsageError(
+                f"mutation {mutation.name} needs {gives} ({flag} 2 or more); your arguments have {flag} {value}"
+            )
 
 
 def _compared_lora(environ) -> tuple:
