@@ -16,7 +16,7 @@ import collections
 import dataclasses
 import datetime
 import json
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from megatron_lora_patch.runtime.errors import UsageError
 
@@ -25,6 +25,10 @@ DEFAULT_TIMEOUT_S = 300.0
 _PREFIX = "megatron_lora_patch/agreement"
 _CLOSED = 1 << 40  # added to the arrival count by a rank that stops waiting: later arrivals see it
 _calls: Dict[Tuple[str, str], int] = collections.defaultdict(int)  # this rank's calls per (namespace, peers)
+
+
+CHECKS = "its checks"  # the field `agree_after` adds: each rank's refusal of the call, "passed" where none
+_Result = TypeVar("_Result")
 
 
 class CallAgreementError(UsageError, RuntimeError):
@@ -112,3 +116,20 @@ def agree(call: Call, timeout: float) -> None:
     problem = _disagreement(call, peers, [json.loads(store.get(key)) for key in keys])
     if problem:
         raise call.error(problem)
+
+
+def agree_after(call: Call, timeout: float, check: Callable[[], _Result]) -> _Result:
+    """Run this rank's `check` of the call (which may read files only this rank sees), then `agree` on the call and
+    on each rank's outcome: a refusal every rank made alike is raised on each, one only some ranks made is one line
+    on all naming which (they see different files), never a collective the others wait in. `call.fix(CHECKS)` says
+    what to do about the latter. Returns what `check` returned."""
+    outcome, raised, result = "passed", None, None
+    try:
+        result = check()
+    except Exception as error:  # noqa: BLE001 (re-raised below, once the peers know)
+        first = (str(error).strip().splitlines() or [""])[0]
+        outcome, raised = (first if isinstance(error, UsageError) else f"{type(error).__name__}: {first}"), error
+    agree(dataclasses.replace(call, fields={**call.fields, CHECKS: outcome}), timeout)
+    if raised is not None:
+        raise raised
+    return result

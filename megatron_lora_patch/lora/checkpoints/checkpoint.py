@@ -34,9 +34,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
 from megatron_lora_patch.lora.adapters.dora import MAGNITUDE
 from megatron_lora_patch.lora.adapters.metadata import ADAPTER_NAME
-from megatron_lora_patch.lora.checkpoints import staging
+from megatron_lora_patch.lora.checkpoints import collective, staging
 from megatron_lora_patch.lora.inventory import DESCRIPTION_FORMAT, AdapterCheckpointError, describe, single_model
 from megatron_lora_patch.lora.layers import trained_fully
+from megatron_lora_patch.runtime import agreement
 
 #: Common-state entry of an adapter-only checkpoint: the model and LoRA description.
 DESCRIPTION_KEY = "megatron_lora_patch"
@@ -157,8 +158,10 @@ def _from_rank_zero(value: Optional[str]) -> str:
     return shared[0]
 
 
-def save_adapters(chunks: Iterable[torch.nn.Module], directory: str, overwrite: bool = False) -> None:
-    """Write an adapter-only distributed checkpoint of this rank's model (collective: call on every rank).
+def save_adapters(chunks: Iterable[torch.nn.Module], directory: str, overwrite: bool = False,
+                  timeout: float = agreement.DEFAULT_TIMEOUT_S) -> None:
+    """Write an adapter-only distributed checkpoint of this rank's model (collective: call on every rank; the
+    others must call within `timeout` seconds with the same arguments, else one line names the difference).
 
     A non-empty `directory` (another checkpoint, a base model) is refused unless `overwrite`;
     the ranks write into a staging directory beside it that replaces it only when complete.
@@ -166,11 +169,16 @@ def save_adapters(chunks: Iterable[torch.nn.Module], directory: str, overwrite: 
     from megatron.core import dist_checkpointing
 
     chunks = list(chunks)
-    state = adapter_only_sharded_state_dict(chunks)
-    state[DESCRIPTION_KEY] = describe(chunks)
     label = "save_adapters: directory"
-    staging.check_target(directory, label, "pass overwrite=True", overwrite)
-    _barrier()  # every rank has seen the target as it was before anyone writes
+
+    def check() -> dict:
+        staging.check_target(directory, label, "pass overwrite=True", overwrite)
+        state = adapter_only_sharded_state_dict(chunks)
+        state[DESCRIPTION_KEY] = describe(chunks)
+        return state
+
+    # every rank has seen the target as it was, and agreed, before anyone writes
+    state = collective.agreed("save_adapters", {"directory": directory, "overwrite": overwrite}, timeout, check)
     partial = _from_rank_zero(staging.make_staging(directory, label) if _rank_zero() else None)
     try:
         dist_checkpointing.save(state, partial)
@@ -263,11 +271,8 @@ def read_description(directory: str, label: str = "adapter checkpoint") -> Dict[
     return description
 
 
-def load_adapters(chunks: Iterable[torch.nn.Module], directory: str) -> None:
-    """Load an adapter-only checkpoint into this rank's adapters (collective), whatever topology saved it."""
-    from megatron.core import dist_checkpointing
-
-    chunks = list(chunks)
+def _check_loadable(chunks: list, directory: str) -> None:
+    """One `AdapterCheckpointError` where `directory` is no adapter checkpoint or was saved from another model."""
     saved, here = read_description(directory), describe(chunks)
     saved.setdefault("modules_to_save", [])  # written before modules_to_save existed
     for field in ("rank", "modules_to_save", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -295,6 +300,16 @@ def load_adapters(chunks: Iterable[torch.nn.Module], directory: str) -> None:
             f"{directory}: checkpoint {'has' if dora else 'has no'} DoRA magnitudes but this model's adapters "
             f"{'do not use' if dora else 'use'} DoRA; set MEGATRON_LORA_DORA={int(dora)}"
         )
+
+
+def load_adapters(chunks: Iterable[torch.nn.Module], directory: str,
+                  timeout: float = agreement.DEFAULT_TIMEOUT_S) -> None:
+    """Load an adapter-only checkpoint into this rank's adapters, whatever topology saved it (collective: call on
+    every rank; the others must call within `timeout` seconds with the same directory, else one line says why)."""
+    from megatron.core import dist_checkpointing
+
+    chunks = list(chunks)
+    collective.agreed("load_adapters", {"directory": directory}, timeout, lambda: _check_loadable(chunks, directory))
     sharded = adapter_only_sharded_state_dict(chunks)
     try:
         loaded = dist_checkpointing.load(sharded, directory)

@@ -23,12 +23,13 @@ from megatron_lora_patch.lora import inventory
 from megatron_lora_patch.lora.adapters.adapter import LoraAdapter
 from megatron_lora_patch.lora.adapters.dora import MAGNITUDE
 from megatron_lora_patch.lora.adapters.layouts import shard
-from megatron_lora_patch.lora.checkpoints import checkpoint, staging
+from megatron_lora_patch.lora.checkpoints import checkpoint, collective, staging
 from megatron_lora_patch.lora.checkpoints import source as checkpoint_source
 from megatron_lora_patch.lora.exchange import checks, families, files, peft
 from megatron_lora_patch.lora.exchange import modules as peft_modules
 from megatron_lora_patch.lora.exchange.names import Logical, Magnitudes, PeftFormatError
 from megatron_lora_patch.lora.layers import trained_fully
+from megatron_lora_patch.runtime import agreement
 
 _STACKED_KEY = re.compile(r"^decoder\.layers\.(?P<module>.+?)\.lora\.(?P<factor>[ABm])$")
 _EXPERTS_KEY = "mlp.experts.experts."
@@ -213,16 +214,21 @@ def load_trained_fully(model: torch.nn.Module, full: Dict[str, torch.Tensor], wh
             module.weight.copy_(shard(weight, 0, get_pg_rank(module.tp_group), world))
 
 
-def import_peft(chunks: Iterable[torch.nn.Module], peft_dir: str) -> None:
+def import_peft(chunks: Iterable[torch.nn.Module], peft_dir: str, timeout: float = agreement.DEFAULT_TIMEOUT_S) -> None:
     """Load a PEFT LoRA adapter (with its `modules_to_save` weights) into this rank's adapters and fully
-    trained weights (collective over the world: call on every rank)."""
+    trained weights (collective over the world: call on every rank; the others must call within `timeout` seconds
+    with the same directory, else one line says why)."""
     chunks = list(chunks)
     description = inventory.describe(chunks)
     local = inventory.adapters_of(chunks)
-    tensors, config, family = files.read(peft_dir)
-    if family == "llama" and description.get("multi_latent_attention"):
-        family = "deepseek_v3"  # an adapter peft wrote itself names no family; the one with MLA's names is this
-    tensors, full = peft_modules.split(tensors, config, description, peft_dir, PeftFormatError)
+
+    def check() -> tuple:
+        tensors, config, family = files.read(peft_dir)
+        if family == "llama" and description.get("multi_latent_attention"):
+            family = "deepseek_v3"  # an adapter peft wrote itself names no family; the one with MLA's names is this
+        return (*peft_modules.split(tensors, config, description, peft_dir, PeftFormatError), config, family)
+
+    tensors, full, config, family = collective.agreed("import_peft", {"peft_dir": peft_dir}, timeout, check)
     magnitudes: Magnitudes = {}
     logical = peft.from_peft(tensors, config, description, _all_adapter_names(local), peft_dir, family, magnitudes)
     checks.check_shapes(
