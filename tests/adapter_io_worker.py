@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 
 import persistence_worker
 
@@ -43,28 +42,17 @@ def _local_view(view, path: str):
 
 
 def calls_world(rank: int, world: int, topology: str, spec, seed: int, calls) -> list:
+    from rank_calls import make_calls
+
+    return make_calls(rank, topology, spec, persistence_worker.lora_config(seed), calls, _adapter_io)
+
+
+def _adapter_io(chunks: list, call: tuple) -> str:
     from megatron_lora_patch import export_peft, import_peft, load_adapters, save_adapters
-    from megatron_lora_patch.proof.testbed.models import build_model
-    from megatron_lora_patch.proof.testbed.topology import Topology
-    from megatron_lora_patch.runtime.errors import UsageError
 
     functions = {"save_adapters": save_adapters, "load_adapters": load_adapters, "import_peft": import_peft,
                  "export_peft": lambda chunks, **options: export_peft(**options)}  # one process, no world
-    persistence_worker.setup(persistence_worker.lora_config(seed))
-    parsed = Topology.parse(topology)
-    outcomes = []
-    with parsed.world():
-        chunks = build_model(spec, parsed)
-        for call in calls[rank]:
-            if call is None:
-                outcomes.append(("skipped", 0.0))
-                continue
-            function, options, view = call
-            start = time.monotonic()
-            try:
-                with _local_view(view, options.get("directory") or options.get("peft_dir")):
-                    functions[function](chunks, **options)
-                outcomes.append(("ok", time.monotonic() - start))
-            except UsageError as error:
-                outcomes.append((str(error), time.monotonic() - start))
-    return outcomes
+    function, options, view = call
+    with _local_view(view, options.get("directory") or options.get("peft_dir")):
+        functions[function](chunks, **options)
+    return "ok"

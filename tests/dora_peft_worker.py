@@ -63,27 +63,15 @@ def merge_calls_world(rank: int, world: int, topology: str, spec, seed: int, dor
     """A model with adapters of `seed` (DoRA or plain); this rank's `merge_adapters` calls in order: each (what it
     passes: "model" or "first layer", timeout), or None for a call this rank skips. Per call (outcome, seconds):
     "merged N" with N adapters merged (then unmerged), or the UsageError's message."""
-    import time
+    from rank_calls import make_calls
 
+    return make_calls(rank, topology, spec, lora_config(seed, dora=dora), calls, _merge_and_unmerge)
+
+
+def _merge_and_unmerge(chunks: list, call: tuple) -> str:
     from megatron_lora_patch.lora.adapters.merge import merge_adapters, unmerge_adapters
-    from megatron_lora_patch.proof.testbed.models import build_model
-    from megatron_lora_patch.proof.testbed.topology import Topology
-    from megatron_lora_patch.runtime.errors import UsageError
 
-    setup(lora_config(seed, dora=dora))
-    outcomes = []
-    with Topology.parse(topology).world():
-        chunks = build_model(spec, Topology.parse(topology))
-        passed = {"model": chunks, "first layer": [chunks[0].decoder.layers[0]]}
-        for call in calls[rank]:
-            if call is None:
-                outcomes.append(("skipped", 0.0))
-                continue
-            start = time.monotonic()
-            try:
-                merged = merge_adapters(passed[call[0]], timeout=call[1])
-                unmerge_adapters(merged)
-                outcomes.append((f"merged {len(merged)}", time.monotonic() - start))
-            except UsageError as error:
-                outcomes.append((str(error), time.monotonic() - start))
-    return outcomes
+    passed = {"model": chunks, "first layer": [chunks[0].decoder.layers[0]]}[call[0]]
+    merged = merge_adapters(passed, timeout=call[1])
+    unmerge_adapters(merged)
+    return f"merged {len(merged)}"

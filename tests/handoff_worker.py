@@ -126,30 +126,18 @@ def calls_world(rank: int, world: int, topology: str, spec, seed: int, calls) ->
     (outcome, seconds it took): "ok" with the number of tensors this rank got, or the UsageError's message."""
     import time
 
-    from megatron_lora_patch import handoff
-    from megatron_lora_patch.proof.testbed.models import build_model
-    from megatron_lora_patch.proof.testbed.topology import Topology
-    from megatron_lora_patch.runtime.errors import UsageError
+    from rank_calls import make_calls
 
-    persistence_worker.setup(persistence_worker.lora_config(seed))
-    parsed = Topology.parse(topology)
-    outcomes = []
-    with parsed.world():
-        chunks = build_model(spec, parsed)
-        for call in calls[rank]:
-            if call is None:
-                outcomes.append(("skipped", 0.0))
-                continue
-            function, options, delay = call
-            time.sleep(delay)
-            start = time.monotonic()
-            try:
-                if function == "stream":
-                    tensors = {key: value for _, part in handoff.stream(chunks, **options)[1] for key, value in
-                               part.items()}
-                else:
-                    tensors = handoff.adapter_state(chunks, **options).tensors
-                outcomes.append((f"ok {len(tensors)}", time.monotonic() - start))
-            except UsageError as error:
-                outcomes.append((str(error), time.monotonic() - start))
-    return outcomes
+    return make_calls(rank, topology, spec, persistence_worker.lora_config(seed), calls, _hand_off,
+                      prepare=lambda call: time.sleep(call[2]))
+
+
+def _hand_off(chunks: list, call: tuple) -> str:
+    from megatron_lora_patch import handoff
+
+    function, options, _ = call
+    if function == "stream":
+        tensors = {key: value for _, part in handoff.stream(chunks, **options)[1] for key, value in part.items()}
+    else:
+        tensors = handoff.adapter_state(chunks, **options).tensors
+    return f"ok {len(tensors)}"
