@@ -171,14 +171,12 @@ def save_adapters(chunks: Iterable[torch.nn.Module], directory: str, overwrite: 
     chunks = list(chunks)
     label = "save_adapters: directory"
 
-    def check() -> dict:
-        staging.check_target(directory, label, "pass overwrite=True", overwrite)
-        state = adapter_only_sharded_state_dict(chunks)
-        state[DESCRIPTION_KEY] = describe(chunks)
-        return state
-
-    # every rank has seen the target as it was, and agreed, before anyone writes
-    state = collective.agreed("save_adapters", {"directory": directory, "overwrite": overwrite}, timeout, check)
+    collective.agreed(  # every rank has seen the target as it was, and agreed, before anyone writes
+        "save_adapters", {"directory": directory, "overwrite": overwrite}, timeout,
+        lambda: staging.check_target(directory, label, "pass overwrite=True", overwrite),
+    )
+    state = adapter_only_sharded_state_dict(chunks)
+    state[DESCRIPTION_KEY] = describe(chunks)
     partial = _from_rank_zero(staging.make_staging(directory, label) if _rank_zero() else None)
     try:
         dist_checkpointing.save(state, partial)
