@@ -121,13 +121,13 @@ def test_moe_tp2_etp2_sp_passes_and_a_skipped_expert_sum_names_the_moe_layer(use
         (
             [*DENSE, *TP2_SP],
             {"mutation": "skip_expert_tp_sum"},
-            "mutation skip_expert_tp_sum needs a MoE model; your arguments have no --num-experts",
+            "mutation skip_expert_tp_sum needs a MoE model (--num-experts); your arguments have no --num-experts",
         ),
         (
             [*MOE, *TP2_SP],
             {"mutation": "expert_bias_from_local_counts"},
-            "mutation expert_bias_from_local_counts needs a MoE router with the expert bias; your arguments have no "
-            "--moe-router-enable-expert-bias",
+            "mutation expert_bias_from_local_counts needs a MoE router with the expert bias "
+            "(--moe-router-enable-expert-bias); your arguments have no --moe-router-enable-expert-bias",
         ),
         (
             [*DENSE, *TP2_SP, "--fp16"],

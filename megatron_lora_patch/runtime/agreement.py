@@ -7,7 +7,8 @@ each rank posts its fields under the call's key (the n-th call of its `namespace
 in, and waits at most `timeout` seconds for the others. A mismatch is then the same one line on every rank; a rank
 missing at the deadline is named by the ranks that waited, and a rank arriving after they gave up learns so at once
 (the arrival counter is closed atomically, so a late rank never enters a collective the others left).
-Used by the hand-off (docs/handoff.md section 1) and the DoRA merge (docs/configuration.md, DoRA).
+Used by the hand-off (docs/handoff.md section 1), the DoRA merge (docs/configuration.md, DoRA) and the adapter I/O
+calls (`lora/checkpoints/collective.py`, docs/checkpoints.md section 1).
 """
 
 from __future__ import annotations

@@ -62,8 +62,14 @@ from megatron_lora_patch.proof.oracle.known_bugs_packed import (
 )
 from megatron_lora_patch.runtime.patching import Patcher
 
-_MLA = ("--multi-latent-attention", "multi-latent attention")
 _TP = ("--tensor-model-parallel-size", "tensor parallelism")
+_MOE = ("--num-experts", "a MoE model")
+#: What each oracle model kind needs of the user's arguments, as `Mutation.needs` pairs.
+MODEL_NEEDS = {
+    "moe": (_MOE,),
+    "deepseek": (_MOE, ("--moe-router-enable-expert-bias", "a MoE router with the expert bias")),
+    "mla": (("--multi-latent-attention", "multi-latent attention"),),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +85,13 @@ class Mutation:
     patches: Mapping[str, bool] = dataclasses.field(default_factory=dict)
     data: str = ""  # the data layout it needs ("packed"), its reference too; "" runs the oracle's
     # (Megatron-LM flag, what it gives) the user's arguments must set for the bug to change anything (a number: 2 or
-    # more); the preflight refuses the mutation without them rather than pass a run it left unchanged
+    # more), beyond what its `model` kind needs (`MODEL_NEEDS`); the preflight refuses the mutation without them
+    # rather than pass a run it left unchanged (`requirements`)
     needs: Tuple[Tuple[str, str], ...] = ()
+
+    def requirements(self) -> Tuple[Tuple[str, str], ...]:
+        """Every (flag, what it gives) the bug needs: its model kind's, then its own."""
+        return MODEL_NEEDS.get(self.model, ()) + self.needs
 
 
 # -- the registry --------------------------------------------------------------------------
@@ -291,7 +302,7 @@ _ALL = (
         "tp2-sp",
         model="mla",
         install=skip_tp_sum_mla_down_projection,
-        needs=(_MLA, _TP),
+        needs=(_TP,),
     ),
     Mutation(
         "kv_adapter_after_latent_layernorm",
@@ -301,7 +312,7 @@ _ALL = (
         model="mla",
         install=kv_adapter_after_latent_norm,
         # Megatron's local spec builds kv_layernorm only with --qk-layernorm (else IdentityOp: nothing to be after)
-        needs=(_MLA, ("--qk-layernorm", "MLA's latent norms")),
+        needs=(("--qk-layernorm", "MLA's latent norms"),),
     ),
     Mutation(
         "mla_rope_key_grad_partial",
@@ -310,7 +321,7 @@ _ALL = (
         "tp2",
         model="mla",
         install=partial_rope_key_grad,
-        needs=(_MLA, _TP),
+        needs=(_TP,),
     ),
     Mutation(
         "expert_bias_from_local_counts",

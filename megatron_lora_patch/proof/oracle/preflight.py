@@ -163,7 +163,7 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
         check_widths(spec, topology)  # Megatron asserts these only when a rank builds the layer
     except TopologyError as error:
         raise UsageError(str(error)) from None
-    _check_mutation(mutation, spec, args)
+    _check_mutation(mutation, args)
     plan = Plan(
         spec,
         topology,
@@ -184,26 +184,14 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
     return plan
 
 
-def _check_mutation(mutation, spec, args: argparse.Namespace) -> None:
-    """One UsageError where the user's model lacks what the mutation's bug lives in (it would change nothing)."""
-    if mutation is None:
-        return
-    if mutation.model == "moe" and not spec.is_moe:
-        raise UsageError(f"mutation {mutation.name} needs a MoE model; your arguments have no --num-experts")
-    if mutation.model == "deepseek" and not getattr(args, "moe_router_enable_expert_bias", False):
-        raise UsageError(
-            f"mutation {mutation.name} needs a MoE router with the expert bias; your arguments have no "
-            "--moe-router-enable-expert-bias"
-        )
-    for flag, gives in mutation.needs:
+def _check_mutation(mutation, args: argparse.Namespace) -> None:
+    """One UsageError where the user's arguments lack what the mutation's bug lives in (it would change nothing)."""
+    for flag, gives in mutation.requirements() if mutation else ():
         value = getattr(args, flag[2:].replace("-", "_"), None)
-        if isinstance(value, bool) or not isinstance(value, int):
-            if not value:
-                raise UsageError(f"mutation {mutation.name} needs {gives} ({flag}); your arguments have no {flag}")
-        elif value < 2:
-            raise UsageError(
-                f"mutation {mutation.name} needs {gives} ({flag} 2 or more); your arguments have {flag} {value}"
-            )
+        if type(value) is int and value == 1:  # a parallel size: the bug needs two ranks or more on that axis
+            raise UsageError(f"mutation {mutation.name} needs {gives} ({flag} 2 or more); your arguments have {flag} 1")
+        if not value:
+            raise UsageError(f"mutation {mutation.name} needs {gives} ({flag}); your arguments have no {flag}")
 
 
 def _compared_lora(environ) -> tuple:
