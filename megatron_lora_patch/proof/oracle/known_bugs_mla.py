@@ -55,17 +55,29 @@ class _NormThenDelta(torch.nn.Module):
         return self.norm(latent - self.delta) + self.delta
 
 
+def _latent_term(instance, adapter, hidden: torch.Tensor) -> torch.Tensor:
+    """The kv down projection's adapter term in the layout `kv_layernorm` reads: Megatron's local spec makes the
+    projection column-parallel (its input gathered over the sequence under SP), gathers its output over TP, keeps
+    the latent's columns and scatters them back over the sequence under SP
+    (`MLASelfAttention.get_query_key_value_tensors`)."""
+    from megatron.core.tensor_parallel import mappings
+
+    sequence_parallel = instance.config.sequence_parallel
+    if sequence_parallel:
+        hidden = mappings.gather_from_sequence_parallel_region(hidden)
+    term = adapter.scale * (hidden @ adapter.A.t()) @ adapter.up_weight().t()  # no dropout in the oracle
+    term = mappings.gather_from_tensor_model_parallel_region(term)[..., : instance.config.kv_lora_rank]
+    return mappings.scatter_to_sequence_parallel_region(term) if sequence_parallel else term
+
+
 def _adapter_after_latent_norm(wrapped, instance, args, kwargs):
     """Run MLA with its kv down projection's adapter term added after `kv_layernorm` instead of before.
 
-    Wraps the attention's `forward` (its input is the down projections'). TP 1 layout (the mutation's
-    topology is dp2): the kv down projection's output is the full latent."""
+    Wraps the attention's `forward` (its input is the down projections')."""
     from megatron_lora_patch.lora.layers.linear import adapter_of
 
     norm, adapter = instance.kv_layernorm, adapter_of(instance.linear_kv_down_proj)
-    hidden = args[0] if args else kwargs["hidden_states"]
-    term = adapter.scale * (hidden @ adapter.A.t()) @ adapter.up_weight().t()  # no dropout in the oracle
-    delta = term[..., : instance.config.kv_lora_rank]
+    delta = _latent_term(instance, adapter, args[0] if args else kwargs["hidden_states"])
     instance.kv_layernorm = _NormThenDelta(norm, delta)
     try:
         return wrapped(*args, **kwargs)
