@@ -129,6 +129,32 @@ def test_moe_tp2_etp2_sp_passes_and_a_skipped_expert_sum_names_the_moe_layer(use
             "mutation expert_bias_from_local_counts needs a MoE router with the expert bias "
             "(--moe-router-enable-expert-bias); your arguments have no --moe-router-enable-expert-bias",
         ),
+        (  # a mutation the topology cannot expose would only pass (proof/oracle/exposure.py)
+            [*DENSE, "--pipeline-model-parallel-size", "2"],
+            {"mutation": "skip_tp_sum_column_a"},
+            "mutation skip_tp_sum_column_a changes nothing without tensor parallelism (your topology: pp2); use "
+            "--tensor-model-parallel-size 2 or more",
+        ),
+        (
+            [*DENSE, *TP2_SP],
+            {"mutation": "local_token_normalization"},
+            "mutation local_token_normalization changes nothing without data parallelism or context parallelism "
+            "(your topology: tp2-sp); use the preflight's --data-parallel-size 2 or more; or --context-parallel-size "
+            "2 or more",
+        ),
+        (
+            MOE,
+            {"mutation": "expert_grads_over_dense_dp", "data_parallel_size": 2},
+            "mutation expert_grads_over_dense_dp changes nothing without an expert data-parallel group other than "
+            "the dense one (your topology: dp2); use --expert-model-parallel-size x --expert-tensor-parallel-size "
+            "(it defaults to the TP size) other than --tensor-model-parallel-size, e.g. --expert-model-parallel-size 2",
+        ),
+        (
+            [*DENSE, *TP2_SP],
+            {"mutation": "lora_input_grad_outside_collective"},
+            "mutation lora_input_grad_outside_collective does not model sequence parallelism (your topology: "
+            "tp2-sp); run it with no --sequence-parallel",
+        ),
         (
             [*DENSE, *TP2_SP, "--fp16"],
             {},

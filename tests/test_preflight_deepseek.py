@@ -89,8 +89,8 @@ UNCHANGED_RUNS = {  # a mutation the arguments leave nothing to change in is ref
     ),
     "mla_rope_key_grad_partial": (
         DEEPSEEK_V3,
-        "mutation mla_rope_key_grad_partial needs tensor parallelism (--tensor-model-parallel-size 2 or more); your "
-        "arguments have --tensor-model-parallel-size 1",
+        "mutation mla_rope_key_grad_partial changes nothing without tensor parallelism (your topology: ep2); use "
+        "--tensor-model-parallel-size 2 or more",
     ),
     "mla_down_projection_grad_not_summed": (
         DENSE,

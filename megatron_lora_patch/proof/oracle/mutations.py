@@ -62,7 +62,6 @@ from megatron_lora_patch.proof.oracle.known_bugs_packed import (
 )
 from megatron_lora_patch.runtime.patching import Patcher
 
-_TP = ("--tensor-model-parallel-size", "tensor parallelism")
 _MOE = ("--num-experts", "a MoE model")
 #: What each oracle model kind needs of the user's arguments, as `Mutation.needs` pairs.
 MODEL_NEEDS = {
@@ -84,10 +83,14 @@ class Mutation:
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     patches: Mapping[str, bool] = dataclasses.field(default_factory=dict)
     data: str = ""  # the data layout it needs ("packed"), its reference too; "" runs the oracle's
-    # (Megatron-LM flag, what it gives) the user's arguments must set for the bug to change anything (a number: 2 or
-    # more), beyond what its `model` kind needs (`MODEL_NEEDS`); the preflight refuses the mutation without them
-    # rather than pass a run it left unchanged (`requirements`)
+    # (Megatron-LM flag, what it gives) the user's arguments must set for the bug to change anything, beyond what its
+    # `model` kind needs (`MODEL_NEEDS`); the preflight refuses the mutation without them rather than pass a run it
+    # left unchanged (`requirements`)
     needs: Tuple[Tuple[str, str], ...] = ()
+    # topology conditions (`exposure.CONDITIONS`) any one of which exposes the bug, as measured on every single-axis
+    # two-rank topology (empty: every world, one rank too); and those its code does not model (`exposure.refusal`)
+    exposed_by: Tuple[str, ...] = ()
+    unsupported: Tuple[str, ...] = ()
 
     def requirements(self) -> Tuple[Tuple[str, str], ...]:
         """Every (flag, what it gives) the bug needs: its model kind's, then its own."""
@@ -102,6 +105,7 @@ _ALL = (
         "The replicated A of a column-parallel LoRA keeps its per-rank partial grad (no TP SUM), as in ART's "
         "Megatron backend before PR #619.",
         "tp2",
+        exposed_by=("tp",),
         install=skip_tp_sum_column_a,
     ),
     Mutation(
@@ -109,6 +113,7 @@ _ALL = (
         "The replicated B of a row-parallel LoRA keeps its per-rank partial grad (no TP SUM), as in ART's "
         "Megatron backend before PR #619.",
         "tp2",
+        exposed_by=("tp",),
         install=skip_tp_sum_row_b,
     ),
     Mutation(
@@ -116,6 +121,7 @@ _ALL = (
         "Replicated LoRA factor grads are AVERAGED over TP instead of summed, the reduction ART PR #619 "
         "replaced with a SUM on the shard domain.",
         "tp2-sp",
+        exposed_by=("tp",),
         install=avg_instead_of_sum,
     ),
     Mutation(
@@ -123,6 +129,7 @@ _ALL = (
         "Expert LoRA factors replicated over expert-TP (fc1 A, fc2 B) keep partial grads (no expert-TP SUM), "
         "the expert half of ART PR #619.",
         "tp2-etp2-sp",
+        exposed_by=("etp",),
         model="moe",
         install=skip_expert_tp_sum,
     ),
@@ -131,6 +138,7 @@ _ALL = (
         "Each DP rank divides its loss by its own trainable-token count instead of the global count, the "
         "local normalization ART PR #619 fixed (docs/architecture.md section 5).",
         "dp2",
+        exposed_by=("dp", "cp"),
         settings={"finalize_model_grads_func": finalize_with_rank_local_token_count},
     ),
     Mutation(
@@ -138,6 +146,7 @@ _ALL = (
         "DDP averages grads over DP on top of the 1/global-token scaling of per-token loss (the combination "
         "Megatron-Core forbids with calculate_per_token_loss and average_in_collective).",
         "dp2",
+        exposed_by=("dp", "cp"),
         install=ddp_average_on_top,
     ),
     Mutation(
@@ -152,6 +161,7 @@ _ALL = (
         "LoRA factors are drawn from a per-rank seed, so replicated factors start different on each TP rank "
         "(ART PR #619 broadcast-initializes them; docs/architecture.md section 4).",
         "tp2",
+        exposed_by=("tp", "pp"),
         install=rank_local_random_init,
     ),
     Mutation(
@@ -159,6 +169,8 @@ _ALL = (
         "The column-parallel LoRA branch reads the rank-local input, so its input grad bypasses the base "
         "layer's TP all-reduce and stays a partial sum (docs/architecture.md section 4).",
         "tp2",
+        exposed_by=("tp",),
+        unsupported=("sp",),
         install=lora_input_grad_outside_collective,
     ),
     Mutation(
@@ -166,6 +178,7 @@ _ALL = (
         "The expert fc2 LoRA output is all-reduced to a full output on the explicit-expert-comm path whose "
         "dispatcher sums partials again (double count, Megatron-Bridge #5634 / #6089).",
         "tp2-etp2-sp",
+        exposed_by=("etp",),
         model="moe",
         install=full_output_on_partial_sum_expert_path,
     ),
@@ -174,6 +187,7 @@ _ALL = (
         "Expert LoRA factors are synced over the dense DP group instead of expert-DP (allreduce=True), "
         "mixing different experts' weights and grads (Megatron-Bridge #5229).",
         "ep2",
+        exposed_by=("expert_dp",),
         model="moe",
         install=expert_grads_over_dense_dp,
     ),
@@ -182,6 +196,7 @@ _ALL = (
         "Replicated LoRA factors are counted on every TP rank in the grad norm, as when they carry "
         "tensor_model_parallel=True metadata (double-counted norm, wrong clipping).",
         "tp2",
+        exposed_by=("tp",),
         install=grad_norm_metadata_on_replicated,
     ),
     Mutation(
@@ -197,6 +212,7 @@ _ALL = (
         "Row-parallel LoRA A is initialized with the fan-in of its local TP shard instead of the full "
         "input size (Megatron-Bridge #5840).",
         "tp2",
+        exposed_by=("tp",),
         install=xavier_fan_in_local_shard,
     ),
     Mutation(
@@ -204,6 +220,7 @@ _ALL = (
         "SwiGLU fc1 LoRA B is a plain contiguous split of [gate; up] while each base shard holds "
         "[gate_shard; up_shard] (docs/architecture.md section 4).",
         "tp2",
+        exposed_by=("tp",),
         install=swiglu_gate_up_mismatch,
     ),
     Mutation(
@@ -211,6 +228,7 @@ _ALL = (
         "The per-token loss denominator is summed over DP only, not DP x CP, so each CP rank divides by its "
         "own chunk's count when CP > 1 (seed 002, NMFW-17 CP review).",
         "cp2",
+        exposed_by=("cp",),
         settings={"finalize_model_grads_func": finalize_with_dp_only_token_count},
     ),
     Mutation(
@@ -226,6 +244,7 @@ _ALL = (
         "CP splits a packed row into 2 * cp chunks of the row, cutting across sequence boundaries, instead of "
         "2 * cp chunks per sequence (Megatron's per-document split, TE's thd_get_partitioned_indices).",
         "cp2",
+        exposed_by=("cp",),
         install=cp_chunks_across_sequences,
         data="packed",
     ),
@@ -234,6 +253,7 @@ _ALL = (
         "Under packing each rank divides its loss by its own valid-token count instead of the global "
         "count over DP x CP (packed rows' masks leave unequal counts per rank; docs/architecture.md section 5).",
         "cp2",
+        exposed_by=("dp", "cp"),
         settings={"finalize_model_grads_func": finalize_with_rank_local_token_count},
         data="packed",
     ),
@@ -241,6 +261,7 @@ _ALL = (
         "packed_loss_mask_ignored_on_one_cp_rank",
         "CP rank 1 ignores the loss mask of its packed chunks (prompt tokens and sequence ends trained).",
         "cp2",
+        exposed_by=("cp",),
         install=loss_mask_ignored_on_one_cp_rank,
         data="packed",
     ),
@@ -249,6 +270,7 @@ _ALL = (
         "A fully trained weight (modules_to_save: the output layer) keeps its own DP rank's grad, never summed "
         "over DP, as when it is trained outside DDP's grad buffers (each DP rank then steps differently).",
         "dp2",
+        exposed_by=("dp", "cp"),
         settings={"finalize_model_grads_func": finalize_with_local_trained_fully_grads},
         options={"modules_to_save": ("output_layer",)},
     ),
@@ -258,6 +280,7 @@ _ALL = (
         "an adapter's math rides its linear's call: DDP never waits for their params' all-gather, so the next "
         "step reads factors before the other DP ranks' updates arrive (lora/training/param_sync.py).",
         "dp2",
+        exposed_by=("dp", "cp"),
         install=adapter_pre_hooks_not_fired,
         settings={"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
                   "ddp_bucket_size": 4096},
@@ -275,6 +298,7 @@ _ALL = (
         "A row-parallel layer's DoRA norm ||W + sBA|| is taken over the rank's own input slice, not summed over "
         "TP (the input dimension the norm runs over is the sharded one).",
         "tp2",
+        exposed_by=("tp",),
         install=dora_row_norm_local,
         options={"dora": True},
     ),
@@ -283,6 +307,7 @@ _ALL = (
         "A row-parallel layer's DoRA magnitude m (replicated over TP) keeps its per-rank partial grad: m left "
         "out of the replicated factors' TP SUM.",
         "tp2",
+        exposed_by=("tp",),
         install=dora_magnitude_outside_grad_sync,
         options={"dora": True},
     ),
@@ -300,9 +325,9 @@ _ALL = (
         "per-rank partial grad under SP, each rank having seen its own sequence shard (the MLA fix other "
         "projects shipped after release).",
         "tp2-sp",
+        exposed_by=("tp",),
         model="mla",
         install=skip_tp_sum_mla_down_projection,
-        needs=(_TP,),
     ),
     Mutation(
         "kv_adapter_after_latent_layernorm",
@@ -319,15 +344,16 @@ _ALL = (
         "Megatron-Core's local-spec MLA: the RoPE key's grad stays a partial sum over TP behind the gather of "
         "the column-parallel kv down projection (lora_linear sums it; lora/layers/mla_rope_key.py).",
         "tp2",
+        exposed_by=("tp",),
         model="mla",
         install=partial_rope_key_grad,
-        needs=(_TP,),
     ),
     Mutation(
         "expert_bias_from_local_counts",
         "DeepSeek's aux-loss-free expert bias is moved by each rank's own tokens per expert instead of the count "
         "over TP x DP x CP that Megatron-Core all-reduces, so the bias and the routing it steers depend on the layout.",
         "dp2",
+        exposed_by=("tp", "dp", "cp"),
         model="deepseek",
         install=expert_bias_from_local_counts,
     ),

@@ -20,7 +20,7 @@ import functools
 import re
 from typing import Any, Optional
 
-from megatron_lora_patch.proof.oracle import preflight_device
+from megatron_lora_patch.proof.oracle import exposure, preflight_device
 from megatron_lora_patch.proof.oracle.thresholds import BF16_TOPOLOGY_FACTOR
 from megatron_lora_patch.runtime.errors import UsageError
 
@@ -163,7 +163,7 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
         check_widths(spec, topology)  # Megatron asserts these only when a rank builds the layer
     except TopologyError as error:
         raise UsageError(str(error)) from None
-    _check_mutation(mutation, args)
+    _check_mutation(mutation, args, topology)
     plan = Plan(
         spec,
         topology,
@@ -184,14 +184,17 @@ def make_plan(options: argparse.Namespace, environ=None) -> Plan:
     return plan
 
 
-def _check_mutation(mutation, args: argparse.Namespace) -> None:
-    """One UsageError where the user's arguments lack what the mutation's bug lives in (it would change nothing)."""
-    for flag, gives in mutation.requirements() if mutation else ():
-        value = getattr(args, flag[2:].replace("-", "_"), None)
-        if type(value) is int and value == 1:  # a parallel size: the bug needs two ranks or more on that axis
-            raise UsageError(f"mutation {mutation.name} needs {gives} ({flag} 2 or more); your arguments have {flag} 1")
-        if not value:
+def _check_mutation(mutation, args: argparse.Namespace, topology) -> None:
+    """One UsageError where the user's model or topology lacks what the mutation's bug lives in (it would change
+    nothing, so the run could only pass), or has what its code does not model (`exposure.refusal`)."""
+    if mutation is None:
+        return
+    for flag, gives in mutation.requirements():
+        if not getattr(args, flag[2:].replace("-", "_"), None):
             raise UsageError(f"mutation {mutation.name} needs {gives} ({flag}); your arguments have no {flag}")
+    problem = exposure.refusal(mutation, topology)
+    if problem:
+        raise UsageError(problem)
 
 
 def _compared_lora(environ) -> tuple:
