@@ -6,7 +6,8 @@ cause. `agree` runs first, on the world's rendezvous store (no collective, so it
 each rank posts its fields under the call's key (the n-th call of its `namespace` among the same peers), counts itself
 in, and waits at most `timeout` seconds for the others. A mismatch is then the same one line on every rank; a rank
 missing at the deadline is named by the ranks that waited, and a rank arriving after they gave up learns so at once
-(the arrival counter is closed atomically, so a late rank never enters a collective the others left).
+(the arrival counter is closed atomically, so a late rank never enters a collective the others left). The store keeps
+the keys of a group's last two calls only (`_forget`): a job agreeing every step would otherwise grow it for good.
 Used by the hand-off (docs/handoff.md section 1), the DoRA merge (docs/configuration.md, DoRA) and the adapter I/O
 calls (`lora/checkpoints/collective.py`, docs/checkpoints.md section 1).
 """
@@ -26,6 +27,7 @@ DEFAULT_TIMEOUT_S = 300.0
 _PREFIX = "megatron_lora_patch/agreement"
 _CLOSED = 1 << 40  # added to the arrival count by a rank that stops waiting: later arrivals see it
 _calls: Dict[Tuple[str, str], int] = collections.defaultdict(int)  # this rank's calls per (namespace, peers)
+_complete: Dict[Tuple[str, str], int] = collections.defaultdict(int)  # the last of them every peer arrived at
 
 
 CHECKS = "its checks"  # the field `agree_after` adds: each rank's refusal of the call, "passed" where none
@@ -91,6 +93,18 @@ def _read_all(store, keys: List[str]) -> list:
     return [store.get(key) for key in keys]  # a torch without multi_get
 
 
+def _forget(store, prefix: str, me: int, peers: List[int]) -> None:
+    """Delete this rank's post of an earlier call (the first peer: its counters too), so that a job agreeing every
+    step (an RL loop's hand-off) keeps two calls' keys on the store, not all of them. Only called for the call before
+    the last complete one: every peer reached that complete call, so each had read the earlier call's posts."""
+    if not hasattr(store, "delete_key"):
+        return
+    store.delete_key(f"{prefix}/args/{me}")
+    if me == peers[0]:
+        store.delete_key(f"{prefix}/arrived")
+        store.delete_key(f"{prefix}/complete")
+
+
 def agree(call: Call, timeout: float) -> None:
     """Return once every peer made this call with the same fields; else a one-line `call.error` on each rank (every
     peer present: the same line on all). One peer, or no process group: nothing to agree."""
@@ -106,8 +120,11 @@ def agree(call: Call, timeout: float) -> None:
         return
     group = "-".join(map(str, peers))
     _calls[(call.namespace, group)] += 1
+    number = _calls[(call.namespace, group)]
     store = distributed_c10d._get_default_store()
-    prefix = f"{_PREFIX}/{call.namespace}/{group}/{_calls[(call.namespace, group)]}"
+    if _complete[(call.namespace, group)] == number - 1 > 1:
+        _forget(store, f"{_PREFIX}/{call.namespace}/{group}/{number - 2}", me, peers)
+    prefix = f"{_PREFIX}/{call.namespace}/{group}/{number}"
     keys = [f"{prefix}/args/{rank}" for rank in peers]
     store.set(keys[peers.index(me)], json.dumps(call.fields))
     arrived = store.add(f"{prefix}/arrived", 1)
@@ -122,6 +139,7 @@ def agree(call: Call, timeout: float) -> None:
         except RuntimeError:  # DistStoreError: the deadline passed; close the call unless the last rank just came
             if store.add(f"{prefix}/arrived", _CLOSED) % _CLOSED < len(peers):
                 raise call.error(_absent(call, store, keys, peers, timeout, me)) from None
+    _complete[(call.namespace, group)] = number
     problem = _disagreement(call, peers, [json.loads(post) for post in _read_all(store, keys)])
     if problem:
         raise call.error(problem)
