@@ -35,7 +35,7 @@ def agree_calls(rank: int, world_size: int, calls: int, absent_after: int) -> di
             except agreement.CallAgreementError as error:
                 outcomes.append(str(error))
         store = distributed_c10d._get_default_store()
-        group = "-".join(map(str, range(world_size)))
+        group = agreement.group_key(list(range(world_size)))
         held = {number: _keys(store, f"{agreement._PREFIX}/test_store/{group}/{number}", range(world_size))
                 for number in range(1, calls + 1)}
         distributed_c10d.barrier()

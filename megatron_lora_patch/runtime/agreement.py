@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import hashlib
 import json
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
@@ -93,6 +94,13 @@ def _read_all(store, keys: List[str]) -> list:
     return [store.get(key) for key in keys]  # a torch without multi_get
 
 
+def group_key(peers: List[int]) -> str:
+    """The peers' part of a call's store keys: their count and a digest, not the list. Each rank reads every peer's
+    key, so a 256-rank group's keys naming all 256 ranks (963 bytes each) made every call move 68 MB through the
+    store's host; with the digest (70 bytes) 9.5 MB."""
+    return f"{len(peers)}-{hashlib.sha1(json.dumps(peers).encode()).hexdigest()[:16]}"
+
+
 def _forget(store, prefix: str, me: int, peers: List[int]) -> None:
     """Delete this rank's post of an earlier call (the first peer: its counters too), so that a job agreeing every
     step (an RL loop's hand-off) keeps two calls' keys on the store, not all of them. Only called for the call before
@@ -118,7 +126,7 @@ def agree(call: Call, timeout: float) -> None:
     peers = sorted(call.peers) if call.peers is not None else list(range(dist.get_world_size()))
     if len(peers) < 2:
         return
-    group = "-".join(map(str, peers))
+    group = group_key(peers)
     _calls[(call.namespace, group)] += 1
     number = _calls[(call.namespace, group)]
     store = distributed_c10d._get_default_store()
