@@ -29,7 +29,9 @@ def reduced_loss(reports: List[dict], key: str = REPORT_KEY) -> Optional[float]:
 
     if not reports:
         return None
-    pairs = torch.stack([report[key].detach().reshape(-1).to(torch.float64).cpu() for report in reports])
+    # on the reports' own device: NCCL gathers CUDA tensors only (a CPU tensor there: "No backend type associated
+    # with device type cpu", seen on an H200); gloo takes the CPU ones
+    pairs = torch.stack([report[key].detach().reshape(-1).to(torch.float64) for report in reports])
     if pairs.shape[1] != 2:
         raise LayoutInvariantUnsupported(
             f"layout_invariant: the loss report {key!r} holds {pairs.shape[1]} values, not [loss sum, tokens]; "
@@ -38,5 +40,5 @@ def reduced_loss(reports: List[dict], key: str = REPORT_KEY) -> Optional[float]:
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     pieces = [torch.empty_like(pairs) for _ in range(torch.distributed.get_world_size(group))]
     torch.distributed.all_gather(pieces, pairs, group=group)
-    every = torch.cat(pieces)
+    every = torch.cat(pieces).cpu()
     return math.fsum(every[:, 0].tolist()) / math.fsum(every[:, 1].tolist())
