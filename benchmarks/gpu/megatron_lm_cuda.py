@@ -39,6 +39,8 @@ sys.path.insert(0, str(REPO / "tests"))
 import megatron_lm_checkpoints as checkpoints  # noqa: E402
 import megatron_lm_runs as runs  # noqa: E402
 
+from megatron_lora_patch.proof.testbed.launcher import WorldError  # noqa: E402
+
 GPU_ARGS = ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
             "--no-rope-fusion", "--no-masked-softmax-fusion", "--eval-iters", "0", "--eval-interval", "1000"]
 LORA_ARGS = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
@@ -92,6 +94,10 @@ def _checks(out: pathlib.Path) -> dict:
         results["export in peft = Megatron"] = (True, "max |peft - megatron| / max |megatron| <= 1e-5")
     except AssertionError as error:
         results["export in peft = Megatron"] = (False, str(error)[:300])
+    except WorldError as error:  # the recompute is a CPU testbed world: on a GPU machine Megatron mixes in CUDA
+        first = str(error).splitlines()[-1][:200]
+        results["export in peft = Megatron"] = (False, f"not checked here ({first}); run this script with "
+                                                       "--checks-only on the runs' directory on a machine without GPUs")
     return results
 
 
