@@ -9,7 +9,8 @@ the environment.
 
 For the tests, `LOOP_RECORD_DIR` names a directory where each rank holding the loss (last
 pipeline stage, TP rank 0, CP rank 0) writes `dp<rank>.json`: its per-microbatch (loss sum, tokens), summed
-over the CP group.
+over the CP group; and `graphs-dp<rank>.json`: how many graphs torch.compile built in that process (Megatron's
+fused functions compiled, or run eagerly under `TORCH_COMPILE_DISABLE=1`).
 """
 
 from __future__ import annotations
@@ -223,4 +224,8 @@ def main() -> None:
         path = os.path.join(record_dir, f"dp{parallel_state.get_data_parallel_rank()}.json")
         with open(path, "w") as handle:
             json.dump(RECORD, handle)
+        from torch._dynamo.utils import counters
+
+        with open(os.path.join(record_dir, f"graphs-{os.path.basename(path)}"), "w") as handle:
+            json.dump(counters["stats"]["unique_graphs"], handle)
 

@@ -117,6 +117,12 @@ LORA_ENV = {
     "MEGATRON_LORA_FULL_CHECKPOINTS": "1",
 }
 TESTBED_ENV = {"PYTHONPATH": str(TESTBED)}
+# Megatron-LM's fused element-wise functions (bias-dropout-add, SwiGLU: `megatron.core.jit.jit_fuser`, which is
+# torch.compile) cost every rank process about 6.5 s of dynamo + inductor tracing on this CPU, half a short launch.
+# The launches run them eagerly (the same functions on the same path, torch.compile skipped) unless `env` says
+# otherwise; the loop's tp1 fine-tune keeps them compiled, as users run them (`COMPILED_FUSIONS`).
+EAGER_FUSIONS = {"TORCH_COMPILE_DISABLE": "1"}
+COMPILED_FUSIONS = {"TORCH_COMPILE_DISABLE": "0"}
 BASE_INFO = "holds no adapters (a base checkpoint): the base weights load as saved"
 
 
@@ -138,8 +144,8 @@ def _run(
     command: list, env: dict, cwd: pathlib.Path, overrides: tuple = (), model: tuple = tuple(MODEL_ARGS)
 ) -> subprocess.CompletedProcess:
     """`command` with the model's Megatron-LM arguments (`model`: the tiny GPT's unless given; then `overrides`,
-    which replace them), in a clean environment plus `env`."""
-    environ = clean_environ(CUDA_DEVICE_MAX_CONNECTIONS="1", **env)
+    which replace them), in a clean environment plus `env` (fusions eager unless `env` says: `EAGER_FUSIONS`)."""
+    environ = clean_environ(CUDA_DEVICE_MAX_CONNECTIONS="1", **{**EAGER_FUSIONS, **env})
     train = TRAIN_ARGS
     if "--data-path" in command + list(overrides):  # documents instead of mock data (`sft_data_args`)
         train = [argument for argument in TRAIN_ARGS if argument != "--mock-data"]
@@ -244,7 +250,7 @@ def _fine_tune_runs(root: pathlib.Path, base: pathlib.Path) -> dict:
             sys.executable,
             ranks,
             args + data + ["--load", str(base), "--finetune", "--save", str(root / name), "--save-interval", "2"],
-            LORA_ENV,
+            {**LORA_ENV, **(COMPILED_FUSIONS if name == "tp1" else {})},
             root / f"rec-{name}",
         )
     # The control: tp1's first two steps with Megatron-LM's own normalization (each microbatch by its own tokens)

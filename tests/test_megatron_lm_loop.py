@@ -103,6 +103,14 @@ def test_topologies_agree_with_tp1(loop, name):
     assert max(_relative(actual[key], expected[key]) for key in expected) <= DELTAS_LIMIT
 
 
+def test_tp1_compiles_megatrons_fusions_and_the_other_launches_run_them_eagerly(loop):
+    """The launches skip torch.compile (`megatron_lm_runs.EAGER_FUSIONS`) except tp1, which keeps Megatron's compiled
+    fusions (bias-dropout-add, SwiGLU) under LoRA, as users run them; either setting silently ignored fails here."""
+    root, _ = loop
+    graphs = {name: json.loads((root / f"rec-{name}" / "graphs-dp0.json").read_text()) for name in ("tp1", "tp2")}
+    assert graphs["tp1"] > 0 and graphs["tp2"] == 0, graphs
+
+
 def test_one_step_of_training_is_far_outside_the_tolerance(loop):
     """Negative control: the adapters after 2 and 4 steps differ by >= 100x the delta threshold."""
     root, _ = loop
