@@ -21,7 +21,8 @@ included) and one with adapter-sized checkpoints. Checks, each printed as PASS /
   base's.
 `--dry-run`: the same on CPU with gloo (adding the `cpu_testbed` plugin), a few iterations.
 
-`--checks-only OUT_DIR`: the checks alone, on the runs a GPU left in OUT_DIR (checkpoints and records brought back).
+The checks run after the launches in a child process that sees no GPU (`CUDA_VISIBLE_DEVICES=`): they read the
+runs on CPU. `--checks-only OUT_DIR`: the checks alone, on the runs a GPU left in OUT_DIR.
 
 Usage: python benchmarks/gpu/megatron_lm_cuda.py OUT_DIR [--iterations 20] [--dry-run | --checks-only]
 """
@@ -29,8 +30,10 @@ Usage: python benchmarks/gpu/megatron_lm_cuda.py OUT_DIR [--iterations 20] [--dr
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import shutil
+import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -55,9 +58,8 @@ def _launch(out: pathlib.Path, name: str, args: list, env: dict, options) -> Non
     record.mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                str(runs.SCRIPT)] + runs.MODEL_ARGS + device_args + train + args
-    done = runs.subprocess.run(command, env=runs.clean_environ(CUDA_DEVICE_MAX_CONNECTIONS="1",
-                                                               LOOP_RECORD_DIR=str(record), **env),
-                               capture_output=True, text=True, timeout=600, cwd=str(out))
+    environ = runs.clean_environ(CUDA_DEVICE_MAX_CONNECTIONS="1", LOOP_RECORD_DIR=str(record), **env)
+    done = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=600, cwd=str(out))
     (out / f"{name}.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise SystemExit(f"{name}: the run failed (exit {done.returncode}); its log: {out / f'{name}.log'}\n"
@@ -94,10 +96,11 @@ def _checks(out: pathlib.Path) -> dict:
         results["export in peft = Megatron"] = (True, "max |peft - megatron| / max |megatron| <= 1e-5")
     except AssertionError as error:
         results["export in peft = Megatron"] = (False, str(error)[:300])
-    except WorldError as error:  # the recompute is a CPU testbed world: on a GPU machine Megatron mixes in CUDA
+    except WorldError as error:  # the recompute is a CPU testbed world: it fails where Megatron sees a GPU
         first = str(error).splitlines()[-1][:200]
         results["export in peft = Megatron"] = (False, f"not checked here ({first}); run this script with "
-                                                       "--checks-only on the runs' directory on a machine without GPUs")
+                                                       "--checks-only on the runs' directory, GPUs hidden "
+                                                       "(CUDA_VISIBLE_DEVICES=)")
     return results
 
 
@@ -108,10 +111,13 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="on CPU with gloo (cpu_testbed), to check the script")
     parser.add_argument("--checks-only", action="store_true", help="only the checks, on the runs already in OUT_DIR")
     options = parser.parse_args()
-    if options.checks_only:
-        shutil.rmtree(options.out / "peft-lora-full", ignore_errors=True)  # an earlier check's export: written anew
-    else:
+    if not options.checks_only:
         _launch_all(parser, options)
+        # The checks read the runs on CPU, in a process that sees no GPU: the export check's Megatron recompute is a
+        # CPU testbed world, in which Megatron on a machine with CUDA puts RoPE's frequencies on the GPU.
+        command = [sys.executable, "-P", str(pathlib.Path(__file__).resolve()), str(options.out), "--checks-only"]
+        raise SystemExit(subprocess.run(command, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}).returncode)
+    shutil.rmtree(options.out / "peft-lora-full", ignore_errors=True)  # an earlier check's export: written anew
     results = _checks(options.out)
     for name, (passed, figure) in results.items():
         print(f"{'PASS' if passed else 'FAIL'}  {name}: {figure}")
