@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU device script (issue 34): everything a lent GPU's short slot is for, in one run of under 8 minutes.
+# The GPU device script (issue 34): everything a lent GPU's short slot is for, in one run of about 8 minutes (487 s
+# on an H200, 2026-11-28).
 #
 #   bash benchmarks/gpu/run.sh OUT_DIR             on the GPU machine, from the repository root, with .whl/ holding
 #                                                  the megatron-core 0.19.2 wheel and this project's wheel
