@@ -19,7 +19,7 @@ from __future__ import annotations
 from test_oracle_lora_options import DENSE_TOPOLOGIES, MOE_TOPOLOGIES
 
 from megatron_lora_patch.cli.oracle import DEFAULT_TOPOLOGIES
-from megatron_lora_patch.proof.oracle import harness, known_bugs, phases
+from megatron_lora_patch.proof.oracle import harness, known_bugs_sync, phases
 from megatron_lora_patch.proof.oracle.mutations import MUTATIONS, Mutation
 from megatron_lora_patch.proof.testbed.topology import Topology
 
@@ -63,7 +63,7 @@ SKIP_TIED_SYNC = Mutation(
     "skip_tied_embedding_grad_sync",
     "The tied word-embedding grads are not all-reduced over the first and last pipeline stage.",
     "pp2",
-    install=known_bugs.skip_tied_embedding_grad_sync,
+    install=known_bugs_sync.skip_tied_embedding_grad_sync,
 )
 
 

@@ -25,15 +25,9 @@ import dataclasses
 from typing import Any, Callable, Mapping, Optional, Tuple
 
 from megatron_lora_patch.proof.oracle.known_bugs import (
-    adapter_pre_hooks_not_fired,
     avg_instead_of_sum,
-    ddp_average_on_top,
     expert_grads_over_dense_dp,
-    finalize_with_dp_only_token_count,
-    finalize_with_local_trained_fully_grads,
-    finalize_with_rank_local_token_count,
     full_output_on_partial_sum_expert_path,
-    grad_norm_metadata_on_replicated,
     lora_input_grad_outside_collective,
     lora_plus_ratio_on_a,
     rank_local_random_init,
@@ -59,6 +53,14 @@ from megatron_lora_patch.proof.oracle.known_bugs_packed import (
     attention_across_packed_sequences,
     cp_chunks_across_sequences,
     loss_mask_ignored_on_one_cp_rank,
+)
+from megatron_lora_patch.proof.oracle.known_bugs_sync import (
+    adapter_pre_hooks_not_fired,
+    ddp_average_on_top,
+    finalize_with_dp_only_token_count,
+    finalize_with_local_trained_fully_grads,
+    finalize_with_rank_local_token_count,
+    grad_norm_metadata_on_replicated,
 )
 from megatron_lora_patch.runtime.patching import Patcher
 
