@@ -12,6 +12,10 @@ What it changes (docs/architecture.md sections 3-4):
   or warn once about grads no finalize covered after the last backward (SkyRL #223).
 - `tensor_parallel.param_is_not_tensor_parallel_duplicate` (grad norm, zero count, and its
   copy bound in `clip_grads`): a replicated factor counts on rank 0 of ITS domain group.
+- `_BaseDataParallel.__init__` (every data-parallel wrapper calls it) and the `__init__` of each fully sharded
+  wrapper `megatron.core.distributed` exports: an FSDP around a model with adapters stops with one line before it
+  shards anything, since the changes above are proven through Megatron's `DistributedDataParallel` only
+  (`lora.layers.unsupported.refuse_sharded_data_parallel`).
 
 Each `patch_*` function is the hook for one Megatron module; torch / Megatron are imported
 inside them, so importing this module stays cheap.
@@ -188,9 +192,38 @@ def rebind_clip_grads_predicate(patcher: Patcher, clip_grads: types.ModuleType) 
         patcher.replace(clip_grads, DUPLICATE_PREDICATE, patched)
 
 
+# -- data-parallel wrappers ------------------------------------------------------------------
+
+
+def _refuse_sharded_wrappers(wrapped, instance, args, kwargs):
+    import inspect
+
+    from megatron_lora_patch.lora.layers.unsupported import refuse_sharded_data_parallel
+
+    refuse_sharded_data_parallel(instance, inspect.signature(wrapped).bind(*args, **kwargs).arguments["module"])
+    return wrapped(*args, **kwargs)
+
+
+def patch_data_parallel_base(patcher: Patcher, base: types.ModuleType) -> None:
+    """Every data-parallel wrapper but DDP refuses a model with adapters: its `__init__` calls this one's."""
+    patcher.wrap(base._BaseDataParallel, "__init__", _refuse_sharded_wrappers)
+
+
+def _wrap_sharded_wrappers(patcher: Patcher, package: types.ModuleType) -> None:
+    """The fully sharded wrappers the package exports refuse before their own set-up (Megatron FSDP builds its
+    device mesh before it calls the base class's `__init__`)."""
+    base = sys.modules["megatron.core.distributed.data_parallel_base"]._BaseDataParallel
+    for wrapper in vars(package).values():
+        if isinstance(wrapper, type) and issubclass(wrapper, base) and wrapper is not base and not issubclass(
+            wrapper, package.DistributedDataParallel
+        ):
+            patcher.wrap(wrapper, "__init__", _refuse_sharded_wrappers)
+
+
 def patch_distributed(patcher: Patcher, package: types.ModuleType) -> None:
     """Finalize SUMs replicated factors; revert forgets any unfinalized step."""
     _patch_finalize(patcher, package)
+    _wrap_sharded_wrappers(patcher, package)
     patcher.on_revert(TRACKER.reset)
 
 
@@ -200,6 +233,7 @@ SPEC = PatchSpec(
     "flag steps that skip finalize; count replicated factors once in the grad norm",
     hooks={
         "megatron.core.distributed": patch_distributed,
+        "megatron.core.distributed.data_parallel_base": patch_data_parallel_base,
         "megatron.core.pipeline_parallel.schedules": patch_schedules,
         "megatron.core.optimizer.optimizer": patch_optimizer,
         "megatron.core.tensor_parallel": patch_duplicate_predicate,

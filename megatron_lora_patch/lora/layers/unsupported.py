@@ -25,6 +25,11 @@
   a full weight on every TP rank fed the rank's own sequence shard under SP. Their factors would be
   replicated with grads that are partial per sequence shard under SP and complete without it: a grad
   domain no adapter here has, so it is refused; the local spec builds them column-parallel (proven).
+- Fully sharded data parallelism (`--use-torch-fsdp2`, `--use-megatron-fsdp`, 0.13's custom FSDP): every data-parallel
+  wrapper but Megatron's `DistributedDataParallel`. FSDP reduce-scatters grads into shards of its own and keeps
+  no `main_grad` buffers, so the SUM of replicated factors over TP (`finalize_grads`), the grad norm's count of
+  them and the adapter-sized checkpoints would act on state they were never checked against; no CPU run here can
+  build FSDP (it needs CUDA), so it is refused when the wrapper is built (`refuse_sharded_data_parallel`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Iterable, List, Tuple
 
 import torch
 
+from megatron_lora_patch.lora.adapters.metadata import adapter_info
 from megatron_lora_patch.runtime.errors import UsageError
 from megatron_lora_patch.runtime.registry import warn_once
 
@@ -110,3 +116,30 @@ def refuse_duplicated(names: List[str]) -> None:
             f"supported: {', '.join(names)}; add {','.join(MLA_DOWN_PROJECTIONS)} to MEGATRON_LORA_EXCLUDE "
             "or build the model with the local spec (column-parallel down projections)"
         )
+
+
+#: The Megatron-LM flag that builds each fully sharded wrapper (by the wrapper's module).
+_FSDP_FLAGS = {
+    "megatron.core.distributed.torch_fully_sharded_data_parallel": "--use-torch-fsdp2",
+    "megatron.core.distributed.fsdp.mcore_fsdp_adapter": "--use-megatron-fsdp",
+    "megatron.core.distributed.custom_fsdp.fully_sharded_data_parallel": "--use-custom-fsdp",  # 0.13
+}
+
+
+def refuse_sharded_data_parallel(wrapper: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Raise `UnsupportedModelError` when a data-parallel wrapper other than Megatron's DDP (an FSDP) is built
+    around a model that holds adapters (see the module docstring)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    if isinstance(wrapper, DistributedDataParallel):
+        return
+    if not any(adapter_info(param) is not None for param in module.parameters()):
+        return
+    kind = type(wrapper)
+    flag = _FSDP_FLAGS.get(kind.__module__)
+    fix = f"leave out {flag}" if flag else "wrap the model in megatron.core.distributed.DistributedDataParallel"
+    raise UnsupportedModelError(
+        f"LoRA is not supported with {kind.__name__}{f' ({flag})' if flag else ''}: the adapters' grad sync, grad "
+        f"norm and checkpoints are proven with Megatron's DistributedDataParallel only; {fix} "
+        "(--use-distributed-optimizer shards the optimizer state)"
+    )
