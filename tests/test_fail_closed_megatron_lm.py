@@ -9,6 +9,7 @@ iteration 4), shared by every case. The guards' decisions themselves are checked
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pathlib
 import shutil
@@ -31,7 +32,8 @@ FIX = "pass the directory the base checkpoint was saved to (--save)"
 
 def _args(**given) -> types.SimpleNamespace:
     """Megatron-LM arguments as the guards read them (after the load: `iteration` is where the run starts)."""
-    values = {"load": None, "save": None, "pretrained_checkpoint": None, "finetune": False, "iteration": 0}
+    values = {"load": None, "save": None, "pretrained_checkpoint": None, "finetune": False, "iteration": 0,
+              "ckpt_format": "torch_dist", "non_persistent_ckpt_type": None}
     return types.SimpleNamespace(**{**values, **given})
 
 
@@ -88,6 +90,58 @@ def test_a_pretrained_checkpoint_must_hold_a_checkpoint(tmp_path):
         with pytest.raises(BaseCheckpointError) as caught:
             guards.check_pretrained(_args(pretrained_checkpoint=path))
         assert str(caught.value) == f"--pretrained-checkpoint {path} {problem}; {FIX}"
+
+
+def _checkpoint(root: pathlib.Path, latest: str, legacy: bool) -> pathlib.Path:
+    """A checkpoint directory whose iteration `latest` is a torch-format (legacy) or a distributed checkpoint."""
+    root.mkdir()
+    saved = _save_dir(root, latest)
+    iteration = saved / ("release" if latest == "release" else f"iter_{int(latest):07d}")
+    if legacy:
+        (iteration / "mp_rank_00").mkdir(parents=True)
+        (iteration / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"")
+    else:
+        iteration.mkdir()
+        (iteration / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    return saved
+
+
+def _legacy_refusal(flag: str, path, iteration) -> str:
+    return (
+        f"{flag} {path} holds a torch-format checkpoint ({iteration}), which a LoRA run cannot take its base from; "
+        f"convert it once without MEGATRON_PLUGINS (your model's arguments and --load {path} --ckpt-format torch "
+        "--ckpt-convert-format torch_dist --ckpt-convert-save NEW_DIR) and pass NEW_DIR/torch_dist"
+    )
+
+
+@pytest.mark.parametrize("latest", ["4", "release"])
+def test_a_base_in_the_legacy_torch_format_is_refused_naming_the_conversion(tmp_path, latest):
+    legacy = _checkpoint(tmp_path / "legacy", latest, legacy=True)
+    distributed = _checkpoint(tmp_path / "dist", latest, legacy=False)
+    iteration = legacy / ("release" if latest == "release" else "iter_0000004")
+    guards.check_checkpoint_formats(_args(load=str(distributed), finetune=True, save=str(tmp_path / "new")))
+    for flag, args in (("--load", _args(load=str(legacy), finetune=True)),
+                       ("--pretrained-checkpoint", _args(load=str(distributed), pretrained_checkpoint=str(legacy)))):
+        with pytest.raises(BaseCheckpointError) as caught:
+            guards.check_checkpoint_formats(args)
+        assert str(caught.value) == _legacy_refusal(flag, legacy, iteration)
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dcp", "fsdp_dtensor"])
+def test_a_save_in_another_format_than_torch_dist_is_refused(tmp_path, ckpt_format):
+    guards.check_checkpoint_formats(_args(ckpt_format=ckpt_format))  # no --save: the format writes nothing
+    with pytest.raises(BaseCheckpointError) as caught:
+        guards.check_checkpoint_formats(_args(save=str(tmp_path), ckpt_format=ckpt_format))
+    assert str(caught.value) == (
+        f"--ckpt-format {ckpt_format} cannot save a LoRA run: its checkpoints are distributed ones, adapter-sized "
+        "and loadable on any topology; pass --ckpt-format torch_dist (the default)"
+    )
+
+
+def test_local_non_persistent_checkpoints_are_refused():
+    guards.check_checkpoint_formats(_args(non_persistent_ckpt_type="global"))
+    with pytest.raises(BaseCheckpointError, match=r"^--non-persistent-ckpt-type local is not supported for a LoRA run"):
+        guards.check_checkpoint_formats(_args(non_persistent_ckpt_type="local"))
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +251,24 @@ def test_full_checkpoints_with_trainable_only_stop_before_any_step_and_any_save(
         "adapter-only ones; drop one of them",
     )
     assert not save.exists()
+
+
+def test_a_legacy_base_stops_the_finetune_and_its_conversion_trains_as_the_distributed_base(runs):
+    """The base in Megatron-LM's legacy `torch` format (what its HF converter writes by default) stops the
+    README's first fine-tune with one line; the conversion that line names (one run without the plugin) gives a base
+    whose fine-tune logs the same losses, bit for bit, as the fine-tune of the same base saved as `torch_dist`."""
+    legacy, converted = runs / "legacy", runs / "converted"
+    _launch(sys.executable, 1, ["--save", str(legacy), "--save-interval", "4"], TESTBED_ENV, runs / "rec-legacy",
+            overrides=("--ckpt-format", "torch"))
+    args = ["--load", str(legacy), "--finetune", "--save", str(runs / "from-legacy"), "--save-interval", "4"]
+    assert_stops_before_training(one_rank(args, ENV, runs), _legacy_refusal("--load", legacy, legacy / "iter_0000004"))
+    assert not (runs / "from-legacy").exists()
+    conversion = ["--load", str(legacy), "--ckpt-format", "torch", "--ckpt-convert-format", "torch_dist",
+                  "--ckpt-convert-save", str(converted)]
+    done = one_rank([], TESTBED_ENV, runs, overrides=tuple(conversion))
+    assert done.returncode == 0, done.stderr[-3000:]
+    args[1], args[4] = str(converted / "torch_dist"), str(runs / "from-converted")
+    _launch(sys.executable, 1, args, ENV, runs / "rec-converted")
+    assert json.loads((runs / "rec-converted" / "dp0.json").read_text()) == json.loads(
+        (runs / "rec-lora" / "dp0.json").read_text()
+    )

@@ -5,7 +5,15 @@ Before the model is built:
 - `MEGATRON_LORA_FULL_CHECKPOINTS=1` against `--save-trainable-params-only` (else only the first save, after
   training, would meet the contradiction, and leave an empty `iter_*` directory behind);
 - a `--pretrained-checkpoint` that holds no checkpoint (Megatron-LM raises without naming it when it would
-  start from it, and ignores it when `--load` holds a checkpoint).
+  start from it, and ignores it when `--load` holds a checkpoint);
+- for a run that builds adapters (`lora_linear` on), checkpoints this package cannot read or write
+  (`check_checkpoint_formats`): a save in a format other than `torch_dist` (Megatron-LM's legacy `torch` format
+  keeps the frozen base and a TP-bound layout; `torch_dcp` / `fsdp_dtensor` go with FSDP, refused on its own),
+  `--non-persistent-ckpt-type local` (saved and loaded past Megatron's distributed checkpointing, where this
+  package describes the adapters, leaves the frozen base out and checks the base it loads), and a base in
+  `--load` / `--pretrained-checkpoint` written in the legacy `torch` format (what Megatron-LM's
+  `tools/checkpoint/convert.py` writes by default): the base loader of a resume reads distributed checkpoints
+  only, and Megatron-LM converts one in a single run (`--ckpt-convert-format torch_dist`).
 
 After the load:
 - a model with adapters whose frozen base no load filled (Megatron-LM only prints "will start from
@@ -21,6 +29,10 @@ from typing import Any, Optional
 
 from megatron_lora_patch.lora.checkpoints.workflow import BASE_FIX, LOADED_BASE, BaseCheckpointError, full_checkpoints
 from megatron_lora_patch.runtime.flags import ALLOW_RANDOM_BASE_VARIABLE, env_bool
+
+#: The checkpoint format a LoRA run saves in, and the patch that builds the adapters.
+DISTRIBUTED_FORMAT = "torch_dist"
+LORA_LINEAR_PATCH = "lora_linear"
 
 
 def _what_is_not_a_checkpoint(path: str, resuming: bool) -> Optional[str]:
@@ -52,6 +64,53 @@ def check_pretrained(args: Any) -> None:
         raise BaseCheckpointError(
             f"--pretrained-checkpoint {given} {problem}; pass the directory the base checkpoint was saved to (--save)"
         )
+
+
+def _adapters_requested() -> bool:
+    """Whether the models this run builds get adapters (the `lora_linear` patch is on)."""
+    from megatron_lora_patch.runtime import registry
+
+    return any(row.patch == LORA_LINEAR_PATCH and row.enabled for row in registry.status())
+
+
+def _legacy_iteration(path: Optional[str]) -> Optional[str]:
+    """The iteration directory of the torch-format (legacy) checkpoint `path` holds, or None."""
+    from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
+    from megatron.training.checkpointing import checkpoint_exists, get_checkpoint_name, get_checkpoint_tracker_filename
+
+    if not path or not checkpoint_exists(path):
+        return None
+    with open(get_checkpoint_tracker_filename(path)) as handle:  # not read_metadata: a collective that exits
+        latest = handle.read().strip()
+    release = latest == "release"
+    if not release and not latest.isdigit():
+        return None  # Megatron-LM names the garbled tracker itself
+    iteration = get_checkpoint_name(path, 0 if release else int(latest), release=release, return_base_dir=True)
+    return iteration if os.path.isdir(iteration) and not check_is_distributed_checkpoint(iteration) else None
+
+
+def check_checkpoint_formats(args: Any) -> None:
+    """Refuse, in one line, checkpoint settings a LoRA run cannot save or load its adapters by (module docstring)."""
+    if args.save and args.ckpt_format != DISTRIBUTED_FORMAT:
+        raise BaseCheckpointError(
+            f"--ckpt-format {args.ckpt_format} cannot save a LoRA run: its checkpoints are distributed ones, "
+            f"adapter-sized and loadable on any topology; pass --ckpt-format {DISTRIBUTED_FORMAT} (the default)"
+        )
+    if getattr(args, "non_persistent_ckpt_type", None) == "local":
+        raise BaseCheckpointError(
+            "--non-persistent-ckpt-type local is not supported for a LoRA run: its checkpoints bypass Megatron's "
+            "distributed checkpointing, where the adapters are described and the frozen base left out; leave it out "
+            "and save with --save"
+        )
+    for flag, path in (("--load", args.load), ("--pretrained-checkpoint", args.pretrained_checkpoint)):
+        legacy = _legacy_iteration(path)
+        if legacy:
+            raise BaseCheckpointError(
+                f"{flag} {path} holds a torch-format checkpoint ({legacy}), which a LoRA run cannot take its base "
+                f"from; convert it once without MEGATRON_PLUGINS (your model's arguments and --load {path} "
+                f"--ckpt-format torch --ckpt-convert-format {DISTRIBUTED_FORMAT} --ckpt-convert-save NEW_DIR) and "
+                f"pass NEW_DIR/{DISTRIBUTED_FORMAT}"
+            )
 
 
 def _require_loaded_base(args: Any) -> None:
@@ -112,6 +171,8 @@ def setup_model_and_optimizer(wrapped: Any, instance: Any, args: tuple, kwargs: 
     given = get_args()
     full_checkpoints(given)
     check_pretrained(given)
+    if _adapters_requested():
+        check_checkpoint_formats(given)
     result = wrapped(*args, **kwargs)
     if attach.attached_models():
         _require_loaded_base(given)
