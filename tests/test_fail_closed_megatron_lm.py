@@ -3,7 +3,9 @@ non-zero exit, no step and every file as it was (docs/checkpoints.md sections 3-
 
 Megatron-LM's own loop (`megatron_lm_gpt.py`, one process): one tiny base (pretrained without LoRA) and
 one LoRA run on it with the README's `--load BASE --finetune --save LORA` (adapter-sized checkpoint of
-iteration 4), shared by every case. The guards' decisions themselves are checked in-process first.
+iteration 4), shared by every case. The guards' decisions themselves are checked in-process first, the checkpoint
+formats a LoRA run cannot save or load by too (a legacy `torch`-format base, another `--ckpt-format`, local
+non-persistent checkpoints); the legacy base then also through the loop, with the conversion its line names.
 """
 
 from __future__ import annotations
