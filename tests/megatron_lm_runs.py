@@ -145,7 +145,7 @@ def _run(
 ) -> subprocess.CompletedProcess:
     """`command` with the model's Megatron-LM arguments (`model`: the tiny GPT's unless given; then `overrides`,
     which replace them), in a clean environment plus `env` (fusions eager unless `env` says: `EAGER_FUSIONS`)."""
-    environ = clean_environ(CUDA_DEVICE_MAX_CONNECTIONS="1", **{**EAGER_FUSIONS, **env})
+    environ = clean_environ(**{"CUDA_DEVICE_MAX_CONNECTIONS": "1", **EAGER_FUSIONS, **env})
     train = TRAIN_ARGS
     if "--data-path" in command + list(overrides):  # documents instead of mock data (`sft_data_args`)
         train = [argument for argument in TRAIN_ARGS if argument != "--mock-data"]

@@ -274,3 +274,15 @@ def test_a_legacy_base_stops_the_finetune_and_its_conversion_trains_as_the_distr
     assert json.loads((runs / "rec-converted" / "dp0.json").read_text()) == json.loads(
         (runs / "rec-lora" / "dp0.json").read_text()
     )
+
+
+def test_fsdp2_stops_the_finetune_before_its_first_step(runs):
+    """Megatron-LM's `--use-torch-fsdp2` wraps the model chunks in PyTorch FSDP2: refused while the wrapper is built."""
+    env = {**ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "8"}  # Megatron-LM's FSDP asks for more than one
+    done = one_rank(["--load", str(runs / "base"), "--finetune"], env, runs, overrides=("--use-torch-fsdp2",))
+    assert_stops_before_training(
+        done,
+        "LoRA is not supported with TorchFullyShardedDataParallel (--use-torch-fsdp2): the adapters' grad sync, grad "
+        "norm and checkpoints are proven with Megatron's DistributedDataParallel only; leave out --use-torch-fsdp2 "
+        "(--use-distributed-optimizer shards the optimizer state)",
+    )
