@@ -174,6 +174,13 @@ def test_moe_tp2_etp2_sp_passes_and_a_skipped_expert_sum_names_the_moe_layer(use
             "Megatron-LM rejects the arguments: pretrain_gpt.py: error: unrecognized arguments: --my-own-flag 1; "
             "leave out the arguments your own script adds",
         ),
+        (  # refused as the user's run refuses it, not as Megatron-LM checks FSDP's CUDA_DEVICE_MAX_CONNECTIONS
+            [*DENSE, *TP2_SP, "--use-torch-fsdp2"],
+            {},
+            "LoRA is not supported with --use-torch-fsdp2: the adapters' grad sync, grad norm and checkpoints are "
+            "proven with Megatron's DistributedDataParallel only; leave out --use-torch-fsdp2 "
+            "(--use-distributed-optimizer shards the optimizer state)",
+        ),
         (
             [*MOE, *TP2_SP, "--expert-tensor-parallel-size", "2", "--moe-ffn-hidden-size", "65"],
             {},

@@ -126,6 +126,22 @@ _FSDP_FLAGS = {
 }
 
 
+def sharded_data_parallel_problem(what: str, fix: str) -> str:
+    """The one line that refuses LoRA under a fully sharded wrapper (`what`, e.g. its class and flag)."""
+    return (
+        f"LoRA is not supported with {what}: the adapters' grad sync, grad norm and checkpoints are proven with "
+        f"Megatron's DistributedDataParallel only; {fix} (--use-distributed-optimizer shards the optimizer state)"
+    )
+
+
+def fsdp_flag(args) -> str:
+    """The Megatron-LM flag of `args` (parsed arguments) that asks for a fully sharded wrapper ('' when none)."""
+    for flag in sorted(set(_FSDP_FLAGS.values())):
+        if getattr(args, flag[2:].replace("-", "_"), False):
+            return flag
+    return ""
+
+
 def refuse_sharded_data_parallel(wrapper: torch.nn.Module, module: torch.nn.Module) -> None:
     """Raise `UnsupportedModelError` when a data-parallel wrapper other than Megatron's DDP (an FSDP) is built
     around a model that holds adapters (see the module docstring)."""
@@ -137,9 +153,7 @@ def refuse_sharded_data_parallel(wrapper: torch.nn.Module, module: torch.nn.Modu
         return
     kind = type(wrapper)
     flag = _FSDP_FLAGS.get(kind.__module__)
-    fix = f"leave out {flag}" if flag else "wrap the model in megatron.core.distributed.DistributedDataParallel"
-    raise UnsupportedModelError(
-        f"LoRA is not supported with {kind.__name__}{f' ({flag})' if flag else ''}: the adapters' grad sync, grad "
-        f"norm and checkpoints are proven with Megatron's DistributedDataParallel only; {fix} "
-        "(--use-distributed-optimizer shards the optimizer state)"
-    )
+    if flag:
+        raise UnsupportedModelError(sharded_data_parallel_problem(f"{kind.__name__} ({flag})", f"leave out {flag}"))
+    fix = "wrap the model in megatron.core.distributed.DistributedDataParallel"
+    raise UnsupportedModelError(sharded_data_parallel_problem(kind.__name__, fix))

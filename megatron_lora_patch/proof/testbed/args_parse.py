@@ -46,6 +46,16 @@ def tree_version(root: pathlib.Path) -> Optional[Tuple[int, ...]]:
     return tuple(int(fields.get(name, 0)) for name in ("MAJOR", "MINOR", "PATCH"))
 
 
+def refuse_fsdp(args: argparse.Namespace) -> None:
+    """A fully sharded wrapper is refused as the user's run would refuse it (`lora.layers.unsupported`), before
+    Megatron-LM's own checks of the FSDP arguments (CUDA_DEVICE_MAX_CONNECTIONS, which the preflight sets to 1)."""
+    from megatron_lora_patch.lora.layers.unsupported import fsdp_flag, sharded_data_parallel_problem
+
+    flag = fsdp_flag(args)
+    if flag:
+        raise UsageError(sharded_data_parallel_problem(flag, f"leave out {flag}"))
+
+
 def parse_megatron_args(argv: Sequence[str], topology_of: Callable[[argparse.Namespace], Any]) -> argparse.Namespace:
     """Megatron-LM's `parse_args` + `validate_args` on `argv`, for the world `topology_of(args)` describes.
 
@@ -69,6 +79,7 @@ def parse_megatron_args(argv: Sequence[str], topology_of: Callable[[argparse.Nam
         raise UsageError(rejection(lines[-1] if lines else "bad arguments", parsers)) from None
     finally:
         sys.argv = saved_argv
+    refuse_fsdp(args)
     topology = topology_of(args)
     args.world_size, args.rank = topology.world_size, 0
     with _cpu_host(arguments), contextlib.redirect_stdout(io.StringIO()):
