@@ -26,8 +26,8 @@
   replicated with grads that are partial per sequence shard under SP and complete without it: a grad
   domain no adapter here has, so it is refused; the local spec builds them column-parallel (proven).
 - Fully sharded data parallelism (`--use-torch-fsdp2`, `--use-megatron-fsdp`, 0.13's custom FSDP): every data-parallel
-  wrapper but Megatron's `DistributedDataParallel`. FSDP reduce-scatters grads into shards of its own and keeps
-  no `main_grad` buffers, so the SUM of replicated factors over TP (`finalize_grads`), the grad norm's count of
+  wrapper but Megatron's `DistributedDataParallel`. FSDP reduce-scatters grads into shards of its own, not DDP's
+  buffers, so the SUM of replicated factors over TP (`finalize_grads`), the grad norm's count of
   them and the adapter-sized checkpoints would act on state they were never checked against; no CPU run here can
   build FSDP (it needs CUDA), so it is refused when the wrapper is built (`refuse_sharded_data_parallel`).
 """
