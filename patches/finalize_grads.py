@@ -221,7 +221,8 @@ def _wrap_sharded_wrappers(patcher: Patcher, package: types.ModuleType) -> None:
 
 
 def patch_distributed(patcher: Patcher, package: types.ModuleType) -> None:
-    """Finalize SUMs replicated factors; revert forgets any unfinalized step."""
+    """Finalize SUMs replicated factors; the fully sharded wrappers refuse adapters; revert forgets any unfinalized
+    step."""
     _patch_finalize(patcher, package)
     _wrap_sharded_wrappers(patcher, package)
     patcher.on_revert(TRACKER.reset)
