@@ -19,6 +19,7 @@ import sys
 import types
 
 import pytest
+from conftest import run_fresh
 
 if importlib.util.find_spec("megatron.training") is None:
     pytest.skip("megatron.training is absent: megatron-core < 0.17 ships no training loop", allow_module_level=True)
@@ -138,6 +139,18 @@ def test_a_save_in_another_format_than_torch_dist_is_refused(tmp_path, ckpt_form
         f"--ckpt-format {ckpt_format} cannot save a LoRA run: its checkpoints are distributed ones, adapter-sized "
         "and loadable on any topology; pass --ckpt-format torch_dist (the default)"
     )
+
+
+@pytest.mark.parametrize("linear", [True, False])
+def test_the_formats_are_checked_only_for_a_run_that_builds_adapters(linear):
+    """With `lora_linear` off the plugin builds no adapters, and the checkpoint formats are the user's own business."""
+    script = (
+        "import megatron_lora_patch; "
+        f"megatron_lora_patch.apply(plugins=['lora_correct'], enable={{'lora_linear': {linear}}}); "
+        "from megatron_lora_patch.lora.checkpoints import guards; print(guards._adapters_requested())"
+    )
+    done = run_fresh(["-c", script])
+    assert done.returncode == 0 and done.stdout.split() == [str(linear)], done.stderr[-3000:]
 
 
 def test_local_non_persistent_checkpoints_are_refused():
