@@ -66,6 +66,15 @@ def check_pretrained(args: Any) -> None:
         )
 
 
+def _tracked(directory: str) -> str:
+    """What the tracker file of a `--save` directory holds (an iteration or "release"), read as text on this rank:
+    Megatron-LM's `read_metadata` is a collective that exits on a garbled file."""
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+    with open(get_checkpoint_tracker_filename(directory)) as handle:
+        return handle.read().strip()
+
+
 def _adapters_requested() -> bool:
     """Whether the models this run builds get adapters (the `lora_linear` patch is on)."""
     from megatron_lora_patch.runtime import registry
@@ -76,12 +85,11 @@ def _adapters_requested() -> bool:
 def _legacy_iteration(path: Optional[str]) -> Optional[str]:
     """The iteration directory of the torch-format (legacy) checkpoint `path` holds, or None."""
     from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
-    from megatron.training.checkpointing import checkpoint_exists, get_checkpoint_name, get_checkpoint_tracker_filename
+    from megatron.training.checkpointing import checkpoint_exists, get_checkpoint_name
 
     if not path or not checkpoint_exists(path):
         return None
-    with open(get_checkpoint_tracker_filename(path)) as handle:  # not read_metadata: a collective that exits
-        latest = handle.read().strip()
+    latest = _tracked(path)
     release = latest == "release"
     if not release and not latest.isdigit():
         return None  # Megatron-LM names the garbled tracker itself
@@ -146,13 +154,12 @@ def _base_argument(args: Any, save: str) -> str:
 def check_save_directory(args: Any) -> None:
     """Refuse a `--save` directory that holds a checkpoint this run did not resume from (one line naming how to
     resume it and how to start over); Megatron-LM would overwrite its iterations."""
-    from megatron.training.checkpointing import checkpoint_exists, get_checkpoint_tracker_filename
+    from megatron.training.checkpointing import checkpoint_exists
 
     save = args.save
     if not checkpoint_exists(save):
         return
-    with open(get_checkpoint_tracker_filename(save)) as handle:  # not read_metadata: it exits on a garbled one
-        latest = handle.read().strip()
+    latest = _tracked(save)
     if _resumed_from(args, save, latest):
         return
     resume = f"--pretrained-checkpoint {_base_argument(args, save)} --load {save}"

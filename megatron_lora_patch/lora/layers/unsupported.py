@@ -136,7 +136,7 @@ def sharded_data_parallel_problem(what: str, fix: str) -> str:
 
 def fsdp_flag(args) -> str:
     """The Megatron-LM flag of `args` (parsed arguments) that asks for a fully sharded wrapper ('' when none)."""
-    for flag in sorted(set(_FSDP_FLAGS.values())):
+    for flag in _FSDP_FLAGS.values():
         if getattr(args, flag[2:].replace("-", "_"), False):
             return flag
     return ""
