@@ -153,6 +153,28 @@ def test_the_formats_are_checked_only_for_a_run_that_builds_adapters(linear):
     assert done.returncode == 0 and done.stdout.split() == [str(linear)], done.stderr[-3000:]
 
 
+@pytest.mark.parametrize("adapters", [True, False])
+def test_setup_checks_the_formats_only_when_adapters_are_built(monkeypatch, tmp_path, adapters):
+    """The wiring of `setup_model_and_optimizer`: a `--ckpt-format torch` save stops the LoRA run before the model is
+    built, and is left to Megatron-LM in a run whose plugin builds no adapters (`lora_linear` off)."""
+    from megatron.training import global_vars
+
+    monkeypatch.setattr(global_vars, "get_args", lambda: _args(save=str(tmp_path), ckpt_format="torch"))
+    monkeypatch.setattr(guards, "_adapters_requested", lambda: adapters)
+    built = []
+
+    def build():  # Megatron-LM's setup_model_and_optimizer, as wrapt hands it over
+        built.append("model")
+        return "built"
+
+    if adapters:
+        with pytest.raises(BaseCheckpointError, match=r"^--ckpt-format torch cannot save a LoRA run"):
+            guards.setup_model_and_optimizer(build, None, (), {})
+    else:
+        assert guards.setup_model_and_optimizer(build, None, (), {}) == "built"
+    assert built == ([] if adapters else ["model"])
+
+
 def test_local_non_persistent_checkpoints_are_refused():
     guards.check_checkpoint_formats(_args(non_persistent_ckpt_type="global"))
     with pytest.raises(BaseCheckpointError, match=r"^--non-persistent-ckpt-type local is not supported for a LoRA run"):
@@ -168,8 +190,9 @@ def runs(tmp_path_factory):
     return root
 
 
-def _finetune(root: pathlib.Path) -> list:
-    return ["--load", str(root / "base"), "--finetune", "--save", str(root / "lora"), "--save-interval", "4"]
+def _finetune(root: pathlib.Path, base="base", save: str = "lora") -> list:
+    """The README's first fine-tune: `--load BASE --finetune --save LORA` (directories under `root`)."""
+    return ["--load", str(root / base), "--finetune", "--save", str(root / save), "--save-interval", "4"]
 
 
 def _tree(directory: pathlib.Path) -> dict:
@@ -275,15 +298,14 @@ def test_a_legacy_base_stops_the_finetune_and_its_conversion_trains_as_the_distr
     legacy, converted = runs / "legacy", runs / "converted"
     _launch(sys.executable, 1, ["--save", str(legacy), "--save-interval", "4"], TESTBED_ENV, runs / "rec-legacy",
             overrides=("--ckpt-format", "torch"))
-    args = ["--load", str(legacy), "--finetune", "--save", str(runs / "from-legacy"), "--save-interval", "4"]
-    assert_stops_before_training(one_rank(args, ENV, runs), _legacy_refusal("--load", legacy, legacy / "iter_0000004"))
+    refused = one_rank(_finetune(runs, "legacy", "from-legacy"), ENV, runs)
+    assert_stops_before_training(refused, _legacy_refusal("--load", legacy, legacy / "iter_0000004"))
     assert not (runs / "from-legacy").exists()
     conversion = ["--load", str(legacy), "--ckpt-format", "torch", "--ckpt-convert-format", "torch_dist",
                   "--ckpt-convert-save", str(converted)]
     done = one_rank([], TESTBED_ENV, runs, overrides=tuple(conversion))
     assert done.returncode == 0, done.stderr[-3000:]
-    args[1], args[4] = str(converted / "torch_dist"), str(runs / "from-converted")
-    _launch(sys.executable, 1, args, ENV, runs / "rec-converted")
+    _launch(sys.executable, 1, _finetune(runs, "converted/torch_dist", "from-converted"), ENV, runs / "rec-converted")
     assert json.loads((runs / "rec-converted" / "dp0.json").read_text()) == json.loads(
         (runs / "rec-lora" / "dp0.json").read_text()
     )
