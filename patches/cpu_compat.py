@@ -30,6 +30,8 @@ FIXES = (
     ("megatron.training.arguments", "training", "install_arguments"),
     ("megatron.legacy.fused_kernels", "training", "install_fused_kernels"),
     ("megatron.core.utils", "thd", "install_thd_partition"),
+    ("megatron.core.dist_checkpointing.strategies.async_utils", "async_save", "install_worker"),
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async", "async_save", "install_host_staging"),
 )
 
 SPEC = PatchSpec(

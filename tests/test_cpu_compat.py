@@ -31,6 +31,8 @@ _PATCHED = {
     "megatron.core.transformer.moe.token_dispatcher": ("all_to_all",),
     "megatron.core.optimizer.clip_grads": ("clip_grad_by_total_norm_fp32",),
     "megatron.core.optimizer.optimizer": ("clip_grad_by_total_norm_fp32",),
+    "megatron.core.dist_checkpointing.strategies.async_utils:PersistentAsyncCaller": ("async_loop",),
+    "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync": ("prepare_write_data",),
 }
 _MISSING = object()
 
