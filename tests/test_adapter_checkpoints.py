@@ -10,7 +10,9 @@ uninterrupted run's checkpoint at the step-0 bound, every loss after an update o
 later-step bound (docs/testing.md "Tolerances"; measured <= 5.1e-8 relative under three reduction orders);
 the negative control resumes without the optimizer state (`--no-load-optim`) and must miss the later-step
 bound by >= 100x (measured 2.5e-2, 254x). A run without a loaded base stops with one line unless
-`MEGATRON_LORA_ALLOW_RANDOM_BASE=1`.
+`MEGATRON_LORA_ALLOW_RANDOM_BASE=1`. The same LoRA run with `--async-save` (Megatron's persistent worker writing
+while the next steps run) saves each iteration's tensors bit for bit as the synchronous run, and a restart from its
+checkpoint of iteration 2 continues it bit for bit.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 if importlib.util.find_spec("megatron.training") is None:
     pytest.skip("megatron.training is absent: megatron-core < 0.17 ships no training loop", allow_module_level=True)
@@ -43,6 +46,9 @@ RESTORED_LOSS_TOLERANCE = threshold("fp32", "loss", step=0)
 #: a loss after at least one update on another topology (Adam amplifies the reduction-order noise)
 LATER_LOSS_TOLERANCE = threshold("fp32", "loss", step=1)
 ENV = {key: value for key, value in LORA_ENV.items() if key != "MEGATRON_LORA_FULL_CHECKPOINTS"}
+#: Megatron-LM's asynchronous save: its persistent worker writes while the next steps run (without
+#: nvidia-resiliency-ext, the `mcore` strategy; on the host, `cpu_testbed/async_save.py`)
+ASYNC_SAVE = ["--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
 
 
 def _resume_copy(source: pathlib.Path, iteration: int, target: pathlib.Path) -> pathlib.Path:
@@ -67,6 +73,11 @@ def runs(tmp_path_factory):
     _launch(sys.executable, 2, ["--load", str(pp2), "--pipeline-model-parallel-size", "2"], ENV, root / "rec-pp2")
     no_optim = _resume_copy(run, 2, root / "no-optim")
     _launch(sys.executable, 1, ["--load", str(no_optim), "--no-load-optim"], ENV, root / "rec-no-optim")
+    asynchronous = lora[:2] + ["--load", str(root / "async"), "--save", str(root / "async"), "--save-interval", "1"]
+    _launch(sys.executable, 1, asynchronous + ASYNC_SAVE, ENV, root / "rec-async")
+    async_resumed = _resume_copy(root / "async", 2, root / "async-resumed")
+    resume = ["--load", str(async_resumed), "--save", str(async_resumed), "--save-interval", "1"]
+    _launch(sys.executable, 1, resume + ASYNC_SAVE, ENV, root / "rec-async-resumed")
     return root
 
 
@@ -166,3 +177,48 @@ def test_no_loaded_base_stops_before_the_first_step(runs):
     assert_stops_before_training(done, message)
     allowed = one_rank([], {**ENV, "MEGATRON_LORA_ALLOW_RANDOM_BASE": "1"}, runs)
     assert allowed.returncode == 0 and "iteration        1/" in allowed.stdout, allowed.stderr[-3000:]
+
+
+def _saved_tensors(runs: pathlib.Path, run: str, iteration: int) -> dict:
+    """Every tensor of one iteration's checkpoint of `run`: the adapters and their Adam moments."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_lora_patch.lora.checkpoints import source
+
+    directory = str(runs / run / f"iter_{iteration:07d}")
+    with source.process_group():
+        held = dist_checkpointing.load(
+            dist_checkpointing.load_tensors_metadata(directory), directory, validate_access_integrity=False
+        )
+    return {key: value for key, value in held.items() if isinstance(value, torch.Tensor)}
+
+
+def _unequal(tensors: dict, reference: dict) -> list:
+    assert sorted(tensors) == sorted(reference)
+    return [key for key in reference if not torch.equal(tensors[key], reference[key])]
+
+
+def test_async_checkpoints_hold_what_the_synchronous_save_holds(runs):
+    """--async-save writes each iteration's adapters and Adam moments bit for bit as the synchronous save does (the
+    worker writes while the next step runs), and no frozen tensor. The comparison sees one step: the async
+    checkpoint of iteration 2 against the synchronous one of iteration 3 differs in every tensor."""
+    for iteration in range(1, ITERATIONS + 1):
+        asynchronous = _saved_tensors(runs, "async", iteration)
+        assert _unequal(asynchronous, _saved_tensors(runs, "run", iteration)) == [], iteration
+        assert all(".lora." in key for key in asynchronous if not key.startswith("optimizer.")), sorted(asynchronous)
+    a_step_later, iteration_2 = _saved_tensors(runs, "run", 3), _saved_tensors(runs, "async", 2)
+    moved = {key: (value - a_step_later[key]).abs().max().item() for key, value in iteration_2.items()}
+    print(f"async iteration 2 against synchronous iteration 3, largest change per tensor: {moved}")
+    assert min(moved.values()) > 0, moved
+
+
+def test_a_run_resumed_from_its_async_checkpoint_continues_the_uninterrupted_run(runs):
+    """The async run's last save was finalized (its tracker names iteration 4); a run restarted from its checkpoint
+    of iteration 2 computes the uninterrupted run's last two losses bit for bit (one topology, the same order of
+    sums), and its own async saves hold the uninterrupted run's tensors."""
+    assert (runs / "async" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERATIONS)
+    uninterrupted = _step_losses(runs / "rec-run", 1)
+    assert _step_losses(runs / "rec-async", 1) == uninterrupted
+    assert _step_losses(runs / "rec-async-resumed", 1) == uninterrupted[2:], uninterrupted
+    for iteration in (3, 4):
+        assert _unequal(_saved_tensors(runs, "async-resumed", iteration), _saved_tensors(runs, "run", iteration)) == []
