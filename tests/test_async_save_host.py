@@ -90,7 +90,7 @@ def worker_exit_without_the_device_fix(rank, world_size):
 
     PersistentAsyncCaller.async_loop = staticmethod(async_save.megatron_async_loop())
     process = PersistentAsyncCaller._get_process(rank, "forkserver")
-    process.join(timeout=120)
+    process.join(timeout=60)
     alive = process.is_alive()
     if alive:
         process.kill()
