@@ -3,8 +3,8 @@
 Megatron-LM's own training loop (`megatron_lm_gpt.py`, as in tests/test_megatron_lm_loop.py): a
 base is pretrained without the LoRA plugin; a LoRA run `--pretrained-checkpoint BASE --load RUN
 --save RUN` trains 4 iterations uninterrupted and saves each (adapter-only by default). Its
-checkpoint of iteration 2 resumes on TP2 (iterations 3-4, base from the recorded path), whose
-checkpoint of iteration 3 resumes on PP2 (4). The resumed losses must equal the uninterrupted
+checkpoint of iteration 2 resumes on TP2 (iterations 3-4, base from the recorded path, saved with `--async-save`:
+each rank's worker writes its shard), whose checkpoint of iteration 3 resumes on PP2 (4) and is exported to peft. The resumed losses must equal the uninterrupted
 run's within the oracle's fp32 loss thresholds: the first loss computed from weights restored from the
 uninterrupted run's checkpoint at the step-0 bound, every loss after an update on another topology at the
 later-step bound (docs/testing.md "Tolerances"; measured <= 5.1e-8 relative under three reduction orders);
@@ -12,7 +12,7 @@ the negative control resumes without the optimizer state (`--no-load-optim`) and
 bound by >= 100x (measured 2.5e-2, 254x). A run without a loaded base stops with one line unless
 `MEGATRON_LORA_ALLOW_RANDOM_BASE=1`. The same LoRA run with `--async-save` (Megatron's persistent worker writing
 while the next steps run) saves each iteration's tensors bit for bit as the synchronous run, and a restart from its
-checkpoint of iteration 2 continues it bit for bit.
+checkpoint of iteration 2 continues it bit for bit; a TP2 run's asynchronous checkpoints resume and export as above.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def runs(tmp_path_factory):
     _launch(sys.executable, 1, lora, ENV, root / "rec-run")
     tp2 = _resume_copy(run, 2, root / "tp2")
     resume = ["--load", str(tp2), "--save", str(tp2), "--save-interval", "1", "--tensor-model-parallel-size", "2"]
-    _launch(sys.executable, 2, resume, ENV, root / "rec-tp2")
+    _launch(sys.executable, 2, resume + ASYNC_SAVE, ENV, root / "rec-tp2")  # two ranks' workers write iterations 3, 4
     pp2 = _resume_copy(tp2, 3, root / "pp2")
     _launch(sys.executable, 2, ["--load", str(pp2), "--pipeline-model-parallel-size", "2"], ENV, root / "rec-pp2")
     no_optim = _resume_copy(run, 2, root / "no-optim")
