@@ -99,6 +99,11 @@ TRAIN_ARGS = [
 SFT_DOCUMENTS = 64  # documents of 2 to 12 tokens: about 450 tokens, reused over the epochs GPTDataset needs
 SFT_DATA_FLAGS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 MOE_ARGS = ["--num-experts", "2", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather"]
+#: Megatron-LM's asynchronous save: its persistent worker writes while the next steps run (without
+#: nvidia-resiliency-ext, the `mcore` strategy; on the host, `cpu_testbed/async_save.py`)
+ASYNC_SAVE = ["--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
+#: what Megatron-LM logs for each save it hands to the worker (a run without it saved synchronously)
+ASYNC_SAVED = "an async checkpoint save at iteration"
 TOPOLOGIES = {  # name -> (extra arguments, ranks, data-parallel size)
     "tp1": ([], 1, 1),
     "tp2": (["--tensor-model-parallel-size", "2"], 2, 1),
@@ -106,8 +111,11 @@ TOPOLOGIES = {  # name -> (extra arguments, ranks, data-parallel size)
     "pp2": (["--pipeline-model-parallel-size", "2"], 2, 1),
     # the testbed's CP core attention stands in for TE's (`megatron_lm_gpt_steps.layer_spec`)
     "cp2": (["--context-parallel-size", "2"], 2, 1),
-    # with the overlap options GPU users run it with (the adapters' param gather: lora/training/param_sync.py)
-    "dp2-distopt": (["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], 2, 2),
+    # with the overlap options GPU users run it with (the adapters' param gather: lora/training/param_sync.py) and
+    # their asynchronous save (each DP rank's worker writes its part of the fully parallel save)
+    "dp2-distopt": (
+        ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", *ASYNC_SAVE], 2, 2
+    ),
 }
 LORA_ENV = {
     "MEGATRON_PLUGINS": "lora_correct,cpu_testbed",  # cpu_testbed: its cpu_compat patch, Megatron on CPU

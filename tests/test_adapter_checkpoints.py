@@ -3,8 +3,9 @@
 Megatron-LM's own training loop (`megatron_lm_gpt.py`, as in tests/test_megatron_lm_loop.py): a
 base is pretrained without the LoRA plugin; a LoRA run `--pretrained-checkpoint BASE --load RUN
 --save RUN` trains 4 iterations uninterrupted and saves each (adapter-only by default). Its
-checkpoint of iteration 2 resumes on TP2 (iterations 3-4, base from the recorded path, saved with `--async-save`:
-each rank's worker writes its shard), whose checkpoint of iteration 3 resumes on PP2 (4) and is exported to peft. The resumed losses must equal the uninterrupted
+checkpoint of iteration 2 resumes on TP2 (iterations 3-4, base from the recorded path, saved with
+`--async-save`: each rank's worker writes its shard), whose checkpoint of iteration 3 resumes on PP2 (4)
+and is exported to peft. The resumed losses must equal the uninterrupted
 run's within the oracle's fp32 loss thresholds: the first loss computed from weights restored from the
 uninterrupted run's checkpoint at the step-0 bound, every loss after an update on another topology at the
 later-step bound (docs/testing.md "Tolerances"; measured <= 5.1e-8 relative under three reduction orders);
@@ -12,7 +13,7 @@ the negative control resumes without the optimizer state (`--no-load-optim`) and
 bound by >= 100x (measured 2.5e-2, 254x). A run without a loaded base stops with one line unless
 `MEGATRON_LORA_ALLOW_RANDOM_BASE=1`. The same LoRA run with `--async-save` (Megatron's persistent worker writing
 while the next steps run) saves each iteration's tensors bit for bit as the synchronous run, and a restart from its
-checkpoint of iteration 2 continues it bit for bit; a TP2 run's asynchronous checkpoints resume and export as above.
+checkpoint of iteration 2 continues it bit for bit.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ if importlib.util.find_spec("megatron.training") is None:
 
 from megatron_lm_checkpoints import _model_tensors, _step_losses, export_matches_megatron  # noqa: E402
 from megatron_lm_runs import (  # noqa: E402  (the loop test's launchers)
+    ASYNC_SAVE,
+    ASYNC_SAVED,
     ITERATIONS,
     LORA_ENV,
     TESTBED_ENV,
@@ -46,9 +49,6 @@ RESTORED_LOSS_TOLERANCE = threshold("fp32", "loss", step=0)
 #: a loss after at least one update on another topology (Adam amplifies the reduction-order noise)
 LATER_LOSS_TOLERANCE = threshold("fp32", "loss", step=1)
 ENV = {key: value for key, value in LORA_ENV.items() if key != "MEGATRON_LORA_FULL_CHECKPOINTS"}
-#: Megatron-LM's asynchronous save: its persistent worker writes while the next steps run (without
-#: nvidia-resiliency-ext, the `mcore` strategy; on the host, `cpu_testbed/async_save.py`)
-ASYNC_SAVE = ["--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
 
 
 def _resume_copy(source: pathlib.Path, iteration: int, target: pathlib.Path) -> pathlib.Path:
@@ -68,17 +68,28 @@ def runs(tmp_path_factory):
     _launch(sys.executable, 1, lora, ENV, root / "rec-run")
     tp2 = _resume_copy(run, 2, root / "tp2")
     resume = ["--load", str(tp2), "--save", str(tp2), "--save-interval", "1", "--tensor-model-parallel-size", "2"]
-    _launch(sys.executable, 2, resume + ASYNC_SAVE, ENV, root / "rec-tp2")  # two ranks' workers write iterations 3, 4
+    done = _launch(sys.executable, 2, resume + ASYNC_SAVE, ENV, root / "rec-tp2")  # two ranks' workers: iterations 3, 4
+    _keep_output(done, root / "rec-tp2")
     pp2 = _resume_copy(tp2, 3, root / "pp2")
     _launch(sys.executable, 2, ["--load", str(pp2), "--pipeline-model-parallel-size", "2"], ENV, root / "rec-pp2")
     no_optim = _resume_copy(run, 2, root / "no-optim")
     _launch(sys.executable, 1, ["--load", str(no_optim), "--no-load-optim"], ENV, root / "rec-no-optim")
     asynchronous = lora[:2] + ["--load", str(root / "async"), "--save", str(root / "async"), "--save-interval", "1"]
-    _launch(sys.executable, 1, asynchronous + ASYNC_SAVE, ENV, root / "rec-async")
+    _keep_output(_launch(sys.executable, 1, asynchronous + ASYNC_SAVE, ENV, root / "rec-async"), root / "rec-async")
     async_resumed = _resume_copy(root / "async", 2, root / "async-resumed")
     resume = ["--load", str(async_resumed), "--save", str(async_resumed), "--save-interval", "1"]
-    _launch(sys.executable, 1, resume + ASYNC_SAVE, ENV, root / "rec-async-resumed")
+    done = _launch(sys.executable, 1, resume + ASYNC_SAVE, ENV, root / "rec-async-resumed")
+    _keep_output(done, root / "rec-async-resumed")
     return root
+
+
+def _keep_output(done, record: pathlib.Path) -> None:
+    (record / "stdout.txt").write_text(done.stdout)
+
+
+def _async_saves(runs: pathlib.Path, record: str) -> int:
+    """How many saves Megatron-LM handed to the async worker in the run recorded in `record`."""
+    return (runs / record / "stdout.txt").read_text().count(ASYNC_SAVED)
 
 
 def _relative_misses(losses: list, reference: list) -> list:
@@ -202,6 +213,7 @@ def test_async_checkpoints_hold_what_the_synchronous_save_holds(runs):
     """--async-save writes each iteration's adapters and Adam moments bit for bit as the synchronous save does (the
     worker writes while the next step runs), and no frozen tensor. The comparison sees one step: the async
     checkpoint of iteration 2 against the synchronous one of iteration 3 differs in every tensor."""
+    assert _async_saves(runs, "rec-async") == ITERATIONS  # each save went to the worker, none fell back to sync
     for iteration in range(1, ITERATIONS + 1):
         asynchronous = _saved_tensors(runs, "async", iteration)
         assert _unequal(asynchronous, _saved_tensors(runs, "run", iteration)) == [], iteration
@@ -217,6 +229,7 @@ def test_a_run_resumed_from_its_async_checkpoint_continues_the_uninterrupted_run
     of iteration 2 computes the uninterrupted run's last two losses bit for bit (one topology, the same order of
     sums), and its own async saves hold the uninterrupted run's tensors."""
     assert (runs / "async" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERATIONS)
+    assert _async_saves(runs, "rec-async-resumed") == 2 and _async_saves(runs, "rec-tp2") == 2
     uninterrupted = _step_losses(runs / "rec-run", 1)
     assert _step_losses(runs / "rec-async", 1) == uninterrupted
     assert _step_losses(runs / "rec-async-resumed", 1) == uninterrupted[2:], uninterrupted

@@ -30,6 +30,7 @@ from megatron_lm_checkpoints import (  # noqa: E402
     export_matches_megatron,
 )
 from megatron_lm_runs import (  # noqa: E402
+    ASYNC_SAVED,
     BASE_INFO,
     ITERATIONS,
     LORA_ENV,
@@ -101,6 +102,13 @@ def test_topologies_agree_with_tp1(loop, name):
     expected, actual = _deltas(_model_tensors(root / "tp1")), _deltas(_model_tensors(root / name))
     assert expected.keys() == actual.keys()
     assert max(_relative(actual[key], expected[key]) for key in expected) <= DELTAS_LIMIT
+
+
+def test_dp2_distopt_saves_through_megatrons_async_worker(loop):
+    """dp2-distopt's saves (iterations 2 and 4) were handed to the async worker, so the checks of its checkpoint
+    above read what the worker wrote; a run that fell back to saving synchronously fails here."""
+    _, runs = loop
+    assert _output(runs["dp2-distopt"]).count(ASYNC_SAVED) == 2
 
 
 def test_tp1_compiles_megatrons_fusions_and_the_other_launches_run_them_eagerly(loop):
