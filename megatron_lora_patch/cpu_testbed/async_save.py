@@ -34,10 +34,11 @@ _MEGATRON_LOOPS: list = []
 
 def megatron_async_loop():
     """Megatron's worker loop: the one `install_worker` replaced in this process, else the class's own."""
-    if _MEGATRON_LOOPS:
-        return _MEGATRON_LOOPS[-1]
+    # In a worker whose interpreter applies this patch, this import is what installs it (and records the loop).
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
 
+    if _MEGATRON_LOOPS:
+        return _MEGATRON_LOOPS[-1]
     return inspect_static(PersistentAsyncCaller, "async_loop").__func__
 
 
