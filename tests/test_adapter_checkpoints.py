@@ -227,7 +227,8 @@ def test_async_checkpoints_hold_what_the_synchronous_save_holds(runs):
 def test_a_run_resumed_from_its_async_checkpoint_continues_the_uninterrupted_run(runs):
     """The async run's last save was finalized (its tracker names iteration 4); a run restarted from its checkpoint
     of iteration 2 computes the uninterrupted run's last two losses bit for bit (one topology, the same order of
-    sums), and its own async saves hold the uninterrupted run's tensors."""
+    sums), and its own async saves hold the uninterrupted run's tensors. The resumed runs here and the TP2 leg handed
+    each save to the worker."""
     assert (runs / "async" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERATIONS)
     assert _async_saves(runs, "rec-async-resumed") == 2 and _async_saves(runs, "rec-tp2") == 2
     uninterrupted = _step_losses(runs / "rec-run", 1)

@@ -32,7 +32,6 @@ def _apply() -> None:
     import megatron_lora_patch
 
     os.environ["MEGATRON_PLUGINS"] = PLUGINS
-    os.environ["MEGATRON_LORA_PATCH_LORA_LINEAR"] = "0"
     megatron_lora_patch.apply(plugins=PLUGINS.split(","), enable=ONLY_CPU_COMPAT, strict=True)
 
 
